@@ -1,0 +1,34 @@
+"""The one tolerance table of the test suite, and a comparison that says where it failed."""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (rtol, atol). Anything looser than the fp32 default carries its reason.
+TOLERANCES = {
+    "fp32": (1e-5, 1e-6),  # the parity bar: same math, different summation order
+    "exact": (0.0, 0.0),
+    "bf16": (1.6e-2, 1e-2),  # bf16 keeps 8 mantissa bits: one rounding step is 2**-8
+    "fp16": (2e-3, 1e-3),  # fp16 keeps 11 mantissa bits
+    "nf4": (2e-2, 2e-3),  # NF4 dequantisation on CPU and a reference matmul round differently
+}
+
+
+def assert_close(actual, expected, kind: str = "fp32", name: str = "tensor") -> None:
+    """torch.testing-style comparison with the table's tolerance; the message names the worst element."""
+    rtol, atol = TOLERANCES[kind]
+    actual = torch.as_tensor(actual).detach().double().cpu()
+    expected = torch.as_tensor(expected).detach().double().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = (actual - expected).abs()
+    bound = atol + rtol * expected.abs()
+    bad = ~(diff <= bound) | (actual.isnan() != expected.isnan())
+    bad &= ~(actual.isnan() & expected.isnan())
+    if bad.any():
+        worst = int(torch.argmax(torch.where(bad, diff - bound, torch.full_like(diff, -1.0)).nan_to_num(1e30)))
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()
+        raise AssertionError(
+            f"{name} differs beyond {kind} tolerance (rtol={rtol}, atol={atol}) at {int(bad.sum())} of "
+            f"{diff.numel()} elements; largest excess at {index}: actual {actual.flatten()[worst].item():.9g}, "
+            f"expected {expected.flatten()[worst].item():.9g}, |diff| {diff.flatten()[worst].item():.3g}"
+        )
