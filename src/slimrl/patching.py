@@ -1,0 +1,125 @@
+"""PatchFastRL / unpatch: point trl's public trainer names at slimrl's subclasses, and back.
+
+Only names are rebound; TRL's source is never edited. After `PatchFastRL("grpo")`, `from trl import GRPOTrainer`
+gives `slimrl.GRPOTrainer`. The original classes are kept and `unpatch()` restores them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+TESTED_TRL = ("1.16.0", "1.17.0")  # [lowest tested, first untested)
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """One trl name that slimrl replaces, and where slimrl's replacement lives."""
+
+    name: str  # e.g. "GRPOTrainer"
+    trl_modules: tuple[str, ...]  # every trl module that exposes the name
+    slimrl_module: str
+
+
+_ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
+    "grpo": (
+        _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo"),
+        _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo"),
+    ),
+}
+
+_originals: dict[tuple[str, str], object] = {}  # (trl module, name) -> TRL's object, while patched
+_warned_early_imports: set[str] = set()
+
+
+def supported_algorithms() -> list[str]:
+    return sorted(_ALGORITHMS)
+
+
+def check_trl_version() -> None:
+    """Fail loudly when trl is outside the range slimrl's overrides were tested against."""
+    import trl
+    from packaging.version import Version
+
+    if os.environ.get("SLIMRL_SKIP_TRL_VERSION_CHECK") == "1":
+        return
+    version = Version(trl.__version__)
+    low, high = (Version(v) for v in TESTED_TRL)
+    if not (low <= version < high):
+        raise ImportError(
+            f"slimrl was tested with trl >= {TESTED_TRL[0]}, < {TESTED_TRL[1]}, but trl {trl.__version__} is "
+            f"installed. Install a tested version (pip install 'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}'), or set "
+            "SLIMRL_SKIP_TRL_VERSION_CHECK=1 to try anyway at your own risk."
+        )
+
+
+def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  # noqa: N802, N803 (Unsloth's API)
+    """Make trl's trainer names resolve to slimrl's fast subclasses.
+
+    Args:
+        algorithm: one trainer to patch ("grpo", case-insensitive), or None for every trainer slimrl supports.
+        FastLanguageModel: accepted for compatibility with Unsloth's signature; slimrl's trainers switch the model
+            between inference and training themselves.
+    """
+    check_trl_version()
+    for binding in _bindings_for(algorithm):
+        _warn_if_imported_early(binding, inspect.currentframe().f_back)
+        replacement = getattr(importlib.import_module(binding.slimrl_module), binding.name)
+        for module_name in binding.trl_modules:
+            module = importlib.import_module(module_name)
+            key = (module_name, binding.name)
+            if key not in _originals:
+                _originals[key] = getattr(module, binding.name)
+            setattr(module, binding.name, replacement)
+
+
+def unpatch(algorithm: str | None = None) -> None:
+    """Restore TRL's original classes for `algorithm` (all when None). Harmless when nothing is patched."""
+    for binding in _bindings_for(algorithm):
+        for module_name in binding.trl_modules:
+            original = _originals.pop((module_name, binding.name), None)
+            if original is not None:
+                setattr(sys.modules[module_name], binding.name, original)
+
+
+def is_patched(algorithm: str) -> bool:
+    return all((m, b.name) in _originals for b in _bindings_for(algorithm) for m in b.trl_modules)
+
+
+def _bindings_for(algorithm: str | None) -> list[_Binding]:
+    if algorithm is None:
+        return [binding for bindings in _ALGORITHMS.values() for binding in bindings]
+    key = str(algorithm).strip().lower()
+    if key not in _ALGORITHMS:
+        raise ValueError(
+            f"PatchFastRL does not know the algorithm {algorithm!r}. Supported: {', '.join(supported_algorithms())} "
+            "(or None for all of them)."
+        )
+    return list(_ALGORITHMS[key])
+
+
+def _warn_if_imported_early(binding: _Binding, caller_frame) -> None:
+    """Warn once when the caller's module (or __main__) already holds TRL's original class under some name."""
+    if binding.name in _warned_early_imports or any((m, binding.name) in _originals for m in binding.trl_modules):
+        return
+    defining = sys.modules.get(binding.trl_modules[-1])
+    original = getattr(defining, binding.name, None) if defining is not None else None
+    if original is None:
+        return
+    namespaces = [getattr(sys.modules.get("__main__"), "__dict__", {})]
+    if caller_frame is not None:
+        namespaces.append(caller_frame.f_globals)
+    holders = sorted({var for ns in namespaces for var, value in list(ns.items()) if value is original})
+    if holders:
+        _warned_early_imports.add(binding.name)
+        warnings.warn(
+            f"{binding.name} was imported from trl before PatchFastRL; the name(s) {', '.join(holders)} bound then "
+            f"still point to TRL's original class. Call PatchFastRL before `from trl import {binding.name}`, or "
+            f"import it again afterwards (or use slimrl.{binding.name} directly).",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,26 @@
+"""`num_chunks="auto"`: how many chunks a micro-batch is split into, from the memory the step may use."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def auto_num_chunks(trainer, inputs) -> int:
+    """Chunks for this micro-batch. On CPU memory is not the constraint, so the batch runs in one piece."""
+    device = inputs["completion_ids"].device
+    if device.type != "cuda":
+        return 1
+    from slimrl.trainers.memory import choose_num_chunks
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    lengths = (inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).tolist()
+    choice = choose_num_chunks(model.config, lengths, free_bytes=free_bytes, dtype=model.dtype)
+    if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
+        logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)
+        trainer._last_auto_chunks = choice.num_chunks
+    return choice.num_chunks

@@ -1,0 +1,434 @@
+"""slimrl's GRPO trainer: TRL's GRPOTrainer with a chunked training step and input validation.
+
+Overrides, each for one reason:
+- `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once) with the
+  loss normalised so that the summed gradient equals TRL's; logs TRL's metrics with TRL's names and values.
+- `training_step`: measures the step's peak GPU memory and the training phase's tokens per second.
+- `__init__`: validates what TRL lets through (dataset columns, reward functions, context length) and wraps reward
+  functions so a failing one names itself.
+Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import trl
+from accelerate.utils import DistributedType
+from trl.trainer.utils import nanmax, nanmin
+
+from slimrl.trainers.chunked_step import Chunk, plan_chunks, run_chunks, take
+from slimrl.trainers.grpo_loss import (
+    CLIPPED_LOSSES,
+    LOSS_TYPES,
+    TOKEN_SUM_LOSSES,
+    PolicyLossSettings,
+    policy_loss_terms,
+    sequence_weights,
+    weighted_loss_sum,
+)
+from slimrl.trainers.rewards_guard import guard_reward_funcs
+
+logger = logging.getLogger(__name__)
+
+# Inputs that make a batch multimodal: chunking those needs per-image bookkeeping, so TRL's one-piece loss runs them.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """TRL's GRPOConfig plus slimrl's settings, with errors for settings TRL accepts but that cannot work."""
+
+    num_chunks: int | str = field(
+        default="auto",
+        metadata={
+            "help": "Number of chunks each micro-batch's sequences are split into for the forward/backward pass. "
+            "Only one chunk's activations live at once; the gradient is the same for every value. 'auto' picks it "
+            "from the free device memory, the model's shape and the batch's token count (1 on CPU)."
+        },
+    )
+
+    def __post_init__(self):
+        self._check_slimrl_fields()
+        self._check_generation_settings()
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            if "must be divisible by num_generations" in str(error):
+                raise ValueError(self._divisibility_message()) from error
+            raise
+
+    def _check_slimrl_fields(self) -> None:
+        if isinstance(self.num_chunks, str):
+            if self.num_chunks.isdigit():
+                self.num_chunks = int(self.num_chunks)
+            elif self.num_chunks != "auto":
+                raise ValueError(f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}.")
+        if isinstance(self.num_chunks, bool) or (isinstance(self.num_chunks, int) and self.num_chunks < 1):
+            raise ValueError(
+                f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}. Use 1 to run each "
+                "micro-batch in one piece, or 'auto' to size chunks from free memory."
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
+
+    def _check_generation_settings(self) -> None:
+        if self.num_generations is not None and self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: GRPO compares each completion with the others of its prompt, "
+                "so it needs at least 2 generations per prompt. Set num_generations to 2 or more (8 is common)."
+            )
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature}: GRPO samples completions and scores them at this temperature, so "
+                "it must be > 0 (greedy decoding would make every completion of a prompt identical). Use e.g. 1.0."
+            )
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be positive; LoRA usually uses 5e-6 to 5e-4.")
+        if self.learning_rate >= 1e-2:
+            warnings.warn(
+                f"learning_rate={self.learning_rate} is far above what LoRA fine-tuning tolerates (typically 5e-6 to "
+                "5e-4) and will likely diverge; lower it unless you know why you need it.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _divisibility_message(self) -> str:
+        groups = self.num_generations
+        per_step = self.generation_batch_size
+        return (
+            f"The generation batch holds {per_step} completions (per_device_train_batch_size="
+            f"{self.per_device_train_batch_size} x processes x steps_per_generation={self.steps_per_generation}), "
+            f"which is not a multiple of num_generations={groups}, so some prompt would get a partial group. "
+            f"Make per_device_train_batch_size x steps_per_generation a multiple of {groups} (e.g. "
+            f"per_device_train_batch_size={groups}), or set generation_batch_size to a multiple of {groups}."
+        )
+
+
+class _MetricSums:
+    """Sums of the masked means TRL logs, accumulated over chunks and reduced across processes at the end."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, torch.Tensor] = {}
+        self.per_sequence: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add_mean(self, name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+        x = x.detach()
+        if x.shape[1] == 1:  # one value per sequence (sequence-level importance sampling)
+            pair = torch.stack([x.sum().float(), torch.tensor(float(x.shape[0]), device=x.device)])
+        else:
+            pair = torch.stack([(x * mask).sum().float(), mask.sum().float()])
+        self.totals[name] = pair if name not in self.totals else self.totals[name] + pair
+
+    def add_sequence_means(self, name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+        x = x.detach()
+        self.per_sequence[name].append(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
+
+    _tag_names = [*trl.GRPOTrainer._tag_names, "slimrl"]
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *positional, **kwargs):
+        if args is not None and not isinstance(args, GRPOConfig):
+            # A plain trl.GRPOConfig works; it gets slimrl's defaults for the fields it lacks.
+            args.num_chunks = getattr(args, "num_chunks", "auto")
+        _check_dataset(train_dataset, "train_dataset")
+        super().__init__(model, reward_funcs, args, train_dataset, *positional, **kwargs)
+        _check_context_length(self.model, self.args.max_completion_length)
+        self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
+        self._fallback_reasons_logged: set[str] = set()
+        self._phase_start: float | None = None
+        self._phase_tokens = 0
+
+    # -- the chunked loss ------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
+        self._start_training_phase(inputs)
+        reason = self._one_piece_reason(inputs)
+        if reason is not None:
+            self._log_fallback(reason)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self._chunked_loss(model, inputs)
+
+    def _one_piece_reason(self, inputs) -> str | None:
+        """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
+        if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
+            return "multimodal inputs are not chunked yet"
+        if self.aux_loss_enabled:
+            return "the MoE load-balancing loss depends on all tokens of the micro-batch at once"
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type {self.loss_type!r} is not supported by slimrl ({', '.join(LOSS_TYPES)}).")
+        return None
+
+    def _log_fallback(self, reason: str) -> None:
+        if reason not in self._fallback_reasons_logged:
+            self._fallback_reasons_logged.add(reason)
+            logger.warning("slimrl: running the loss in one piece (TRL's path) because %s.", reason)
+
+    def _loss_settings(self) -> PolicyLossSettings:
+        args = self.args
+        return PolicyLossSettings(
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=args.delta,
+            beta=self.beta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            apply_vllm_is_ratio=bool(self.use_vllm and self.vllm_importance_sampling_correction),
+        )
+
+    def _chunked_loss(self, model, inputs) -> torch.Tensor:
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        settings = self._loss_settings()
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        width = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [N, T]
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, T]
+
+        chunks = plan_chunks(completion_mask, self._num_chunks_for(inputs))
+
+        # Micro-batch-wide quantities every chunk's share of the loss depends on.
+        token_normalizer = None
+        if self.loss_type in TOKEN_SUM_LOSSES:
+            token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                token_normalizer = token_normalizer * accumulation / self.args.steps_per_generation
+        weights = sequence_weights(
+            self.loss_type, mask, max_completion_length=self.max_completion_length, token_normalizer=token_normalizer
+        )  # [N]
+        policy_divisor = 1 if self.loss_type in TOKEN_SUM_LOSSES else accumulation
+
+        entropy_mask = None  # [N, T] bool, top-entropy tokens over the whole micro-batch
+        if self.top_entropy_quantile < 1.0 and len(chunks) > 1:
+            entropy_mask = self._top_entropy_mask(model, inputs, chunks, mask)
+        effective_total = None  # tokens the entropy bonus averages over; a single chunk counts its own
+        if self._entropy_bonus_enabled:
+            if entropy_mask is not None or self.top_entropy_quantile >= 1.0:
+                effective_total = (mask if entropy_mask is None else mask * entropy_mask).sum().clamp(min=1.0)
+            if self.use_adaptive_entropy:
+                apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            else:
+                apply_coef = self.entropy_coef
+
+        sums = _MetricSums()
+        policy_total = torch.zeros((), device=completion_ids.device)
+        entropy_stats = torch.zeros(2, device=completion_ids.device)
+
+        def chunk_loss(chunk: Chunk) -> torch.Tensor:
+            nonlocal policy_total, entropy_stats
+            c_completion = take(completion_ids, chunk, width)
+            c_mask = take(mask, chunk, width)  # [b, t]
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model,
+                torch.cat([take(prompt_ids, chunk, -1), c_completion], dim=1),
+                torch.cat([take(prompt_mask, chunk, -1), take(completion_mask, chunk, width)], dim=1),
+                chunk.width,
+                compute_entropy=True,
+            )  # [b, t] each
+            c_entropy_mask = take(entropy_mask, chunk, width)
+            if self.top_entropy_quantile < 1.0 and c_entropy_mask is None:  # one chunk: TRL's own rule, in place
+                c_entropy_mask = self.get_high_entropy_mask(entropies, c_mask, 1 - self.top_entropy_quantile)
+            old = take(inputs.get("old_per_token_logps"), chunk, width)
+            c_advantages = take(advantages, chunk, width)
+            terms = policy_loss_terms(
+                settings,
+                logps,
+                logps.detach() if old is None else old,
+                c_advantages,
+                c_mask,
+                ref_logps=take(inputs.get("ref_per_token_logps"), chunk, width),
+                is_ratio=take(inputs.get("importance_sampling_ratio"), chunk, width),
+                sampling_logps=take(inputs.get("sampling_per_token_logps"), chunk, width),
+                entropy_mask=c_entropy_mask,
+            )
+            policy = weighted_loss_sum(terms.per_token_loss, c_mask, take(weights, chunk, -1))
+            policy_total = policy_total + policy.detach()
+            loss = policy / policy_divisor
+            if self._entropy_bonus_enabled:
+                effective = c_mask if c_entropy_mask is None else c_mask * c_entropy_mask
+                total = effective.sum().clamp(min=1.0) if effective_total is None else effective_total
+                entropy_sum = (entropies * effective).sum()
+                loss = loss - apply_coef * entropy_sum / total / accumulation
+                entropy_stats = entropy_stats + torch.stack([entropy_sum.detach(), effective.sum().detach()])
+            self._add_chunk_metrics(sums, terms, entropies, c_advantages, c_mask)
+            return loss
+
+        loss = run_chunks(
+            chunks,
+            chunk_loss,
+            backward=self.accelerator.backward,
+            no_sync=lambda: self.accelerator.no_sync(model),
+        )
+        self._log_chunk_metrics(mode, sums, policy_total, entropy_stats)
+        return loss
+
+    def _num_chunks_for(self, inputs) -> int:
+        requested = getattr(self.args, "num_chunks", "auto")
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            if requested != 1:
+                self._log_fallback("DeepSpeed runs its own backward, so the micro-batch is not chunked")
+            return 1
+        if requested != "auto":
+            return int(requested)
+        from slimrl.trainers.auto_chunks import auto_num_chunks
+
+        return auto_num_chunks(self, inputs)
+
+    @torch.no_grad()
+    def _top_entropy_mask(self, model, inputs, chunks: list[Chunk], mask: torch.Tensor) -> torch.Tensor:
+        """TRL's top-entropy token mask needs a quantile over the whole micro-batch: a gradient-free pass gets it."""
+        width = inputs["completion_ids"].size(1)
+        entropies = torch.zeros_like(mask, dtype=torch.float32)  # [N, T]
+        for chunk in chunks:
+            _, chunk_entropies, _ = self._get_per_token_logps_and_entropies(
+                model,
+                torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1),
+                torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1),
+                chunk.width,
+                compute_entropy=True,
+            )
+            entropies[chunk.rows, : chunk.width] = chunk_entropies.float()
+        return self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+
+    def _add_chunk_metrics(self, sums: _MetricSums, terms, entropies, advantages, mask) -> None:
+        if terms.per_token_kl is not None:
+            sums.add_mean("kl", terms.per_token_kl, mask)
+        sums.add_mean("entropy", entropies, mask)
+        coef_1 = terms.coef_1.detach()
+        if self.loss_type in CLIPPED_LOSSES:
+            low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
+            sums.add_mean("clip_ratio/low_mean", low, mask)
+            sums.add_mean("clip_ratio/high_mean", high, mask)
+            sums.add_mean("clip_ratio/region_mean", ((low + high) > 0).float(), mask)
+            sums.add_sequence_means("clip_ratio/low_min", low, mask)
+            sums.add_sequence_means("clip_ratio/high_max", high, mask)
+        elif self.loss_type == "cispo":
+            sums.add_mean("cispo_clip_ratio", ((coef_1 > self.epsilon_high) & (advantages > 0)).float(), mask)
+        elif self.loss_type == "vespo":
+            sums.add_mean("vespo/phi_seq_mean", terms.phi_seq, mask)
+
+    def _log_chunk_metrics(self, mode, sums: _MetricSums, policy_total, entropy_stats) -> None:
+        """Append the micro-batch's metrics in TRL's order, with TRL's reductions."""
+        metrics = self._metrics[mode]
+        if self._entropy_bonus_enabled:
+            metrics["policy_loss"].append(self.accelerator.gather(policy_total).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_adaptive_entropy(entropy_stats)
+            if mode == "train" and self.accelerator.sync_gradients:
+                metrics["entropy_coef"].append(self.entropy_coef)
+        for name, pair in sums.totals.items():
+            total = self.accelerator.reduce(pair, reduction="sum")
+            metrics[name].append((total[0] / total[1].clamp(min=1.0)).item())
+        reducers = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
+        for name, parts in sums.per_sequence.items():
+            metrics[name].append(reducers[name](self.accelerator.gather(torch.cat(parts))).item())
+
+    def _update_adaptive_entropy(self, stats: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller, fed with the whole micro-batch's entropy sum and token count."""
+        stats = stats.detach()
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+
+    # -- step measurements -----------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._phase_start = None
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._finish_training_phase()
+        return loss
+
+    def _start_training_phase(self, inputs) -> None:
+        if not self.model.training or self._phase_start is not None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._phase_start = time.perf_counter()
+        self._phase_tokens = int(inputs["prompt_mask"].sum()) + int(inputs["completion_mask"].sum())
+
+    def _finish_training_phase(self) -> None:
+        if self._phase_start is None:
+            return
+        metrics = self._metrics["train"]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            metrics["peak_gpu_memory_GiB"].append(torch.cuda.max_memory_allocated() / 2**30)
+        elapsed = time.perf_counter() - self._phase_start
+        metrics["train_tokens_per_second"].append(self._phase_tokens / elapsed if elapsed > 0 else math.nan)
+        self._phase_start = None
+
+
+def _check_dataset(dataset, name: str) -> None:
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):  # a DatasetDict passed where a split was expected
+        raise ValueError(
+            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
+        )
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{name} has columns {columns} but GRPO needs a 'prompt' column (a string, or a list of chat messages). "
+            f"Rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
+        )
+
+
+def _check_context_length(model, max_completion_length: int | None) -> None:
+    if max_completion_length is None:
+        return
+    options = getattr(model, "slimrl_options", None)
+    limit = getattr(options, "max_seq_length", None)
+    source = "max_seq_length given to FastLanguageModel.from_pretrained"
+    if limit is None:
+        config = getattr(model, "config", None)
+        text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        limit = getattr(text_config, "max_position_embeddings", None)
+        source = "the model's max_position_embeddings"
+    if limit is not None and max_completion_length >= limit:
+        raise ValueError(
+            f"max_completion_length={max_completion_length} does not fit the model's context of {limit} tokens "
+            f"({source}) with any prompt. Lower max_completion_length below {limit} minus your longest prompt, "
+            "or load the model with a larger max_seq_length."
+        )
