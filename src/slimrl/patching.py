@@ -103,7 +103,7 @@ def _bindings_for(algorithm: str | None) -> list[_Binding]:
 
 
 def _warn_if_imported_early(binding: _Binding, caller_frame) -> None:
-    """Warn once when the caller's module (or __main__) already holds TRL's original class under some name."""
+    """Warn once when the caller (its locals or module) or __main__ already holds TRL's original class."""
     if binding.name in _warned_early_imports or any((m, binding.name) in _originals for m in binding.trl_modules):
         return
     defining = sys.modules.get(binding.trl_modules[-1])
@@ -112,7 +112,7 @@ def _warn_if_imported_early(binding: _Binding, caller_frame) -> None:
         return
     namespaces = [getattr(sys.modules.get("__main__"), "__dict__", {})]
     if caller_frame is not None:
-        namespaces.append(caller_frame.f_globals)
+        namespaces += [caller_frame.f_globals, caller_frame.f_locals]
     holders = sorted({var for ns in namespaces for var, value in list(ns.items()) if value is original})
     if holders:
         _warned_early_imports.add(binding.name)

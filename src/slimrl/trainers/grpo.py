@@ -66,6 +66,8 @@ class GRPOConfig(trl.GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and not _bf16_supported(self.use_cpu):
+            self.bf16 = False  # TRL defaults to bf16, which transformers refuses where there is no bf16 GPU
         self._check_slimrl_fields()
         self._check_generation_settings()
         try:
@@ -120,6 +122,10 @@ class GRPOConfig(trl.GRPOConfig):
             f"Make per_device_train_batch_size x steps_per_generation a multiple of {groups} (e.g. "
             f"per_device_train_batch_size={groups}), or set generation_batch_size to a multiple of {groups}."
         )
+
+
+def _bf16_supported(use_cpu: bool) -> bool:
+    return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 class _MetricSums:

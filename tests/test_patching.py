@@ -1,0 +1,95 @@
+"""PatchFastRL rebinds trl's names to slimrl's subclasses, is idempotent, undoable and version-gated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import trl
+
+import slimrl
+from slimrl import patching
+
+
+@pytest.fixture(autouse=True)
+def _restore_trl():
+    yield
+    slimrl.unpatch()
+
+
+def test_import_slimrl_does_not_import_trl_trainers_or_gpu_packages():
+    code = textwrap.dedent(
+        """
+        import sys, slimrl
+        heavy = [m for m in ("trl.trainer.grpo_trainer", "bitsandbytes", "vllm", "triton") if m in sys.modules]
+        print(heavy)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_patch_rebinds_every_public_name_to_slimrl():
+    from trl.trainer import grpo_config, grpo_trainer
+
+    slimrl.PatchFastRL("grpo")
+    from trl import GRPOConfig, GRPOTrainer
+
+    assert GRPOTrainer is slimrl.GRPOTrainer and GRPOConfig is slimrl.GRPOConfig
+    assert trl.trainer.GRPOTrainer is slimrl.GRPOTrainer
+    assert grpo_trainer.GRPOTrainer is slimrl.GRPOTrainer and grpo_config.GRPOConfig is slimrl.GRPOConfig
+    assert issubclass(slimrl.GRPOTrainer, patching._originals[("trl", "GRPOTrainer")])
+
+
+def test_patch_is_idempotent_and_unpatch_restores_originals():
+    original_trainer, original_config = trl.GRPOTrainer, trl.GRPOConfig
+    slimrl.PatchFastRL("GRPO")  # case-insensitive
+    slimrl.PatchFastRL("grpo")
+    slimrl.PatchFastRL()
+    assert trl.GRPOTrainer is slimrl.GRPOTrainer
+    slimrl.unpatch()
+    assert trl.GRPOTrainer is original_trainer and trl.GRPOConfig is original_config
+    assert trl.trainer.grpo_trainer.GRPOTrainer is original_trainer
+    slimrl.unpatch()  # harmless when nothing is patched
+    assert trl.GRPOTrainer is original_trainer
+
+
+def test_unknown_algorithm_lists_supported_ones():
+    with pytest.raises(ValueError, match=r"does not know the algorithm 'ppx'.*Supported: grpo"):
+        slimrl.PatchFastRL("ppx")
+
+
+def test_trl_outside_tested_range_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.18.0")
+    with pytest.raises(ImportError, match=r"tested with trl >= 1\.16\.0, < 1\.17\.0.*1\.18\.0 is installed"):
+        slimrl.PatchFastRL("grpo")
+
+
+def test_warns_once_when_trainer_was_imported_before_patching(monkeypatch):
+    monkeypatch.setattr(patching, "_warned_early_imports", set())
+    from trl import GRPOTrainer as EarlyTrainer  # noqa: N814 (the name a user would hold)
+
+    with pytest.warns(UserWarning, match=r"EarlyTrainer.*still point to TRL's original"):
+        slimrl.PatchFastRL("grpo")
+    slimrl.unpatch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slimrl.PatchFastRL("grpo")  # second time: no repeated warning
+    assert EarlyTrainer is not slimrl.GRPOTrainer
+
+
+def test_user_script_gets_fast_trainer_after_patching():
+    code = textwrap.dedent(
+        """
+        from slimrl import FastLanguageModel, PatchFastRL
+        PatchFastRL("grpo", FastLanguageModel)
+        from trl import GRPOConfig, GRPOTrainer
+        import slimrl
+        print(GRPOTrainer is slimrl.GRPOTrainer, GRPOConfig is slimrl.GRPOConfig)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["True", "True"]

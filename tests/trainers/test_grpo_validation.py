@@ -1,0 +1,120 @@
+"""Settings and inputs TRL lets through but that cannot work: each is an error (or warning) that names the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import slimrl
+from slimrl.trainers.rewards_guard import RewardFunctionError
+from slimrl.testing import tiny_prompt_dataset
+from tests.trainers.grpo_harness import build_trainer, lora_tiny_model
+
+
+def config(**overrides):
+    settings = dict(output_dir="/tmp/slimrl-test-validation", report_to="none", bf16=False, use_cpu=True,
+                    per_device_train_batch_size=4, num_generations=4)  # fmt: skip
+    settings.update(overrides)
+    return slimrl.GRPOConfig(**settings)
+
+
+def test_generation_batch_not_divisible_by_num_generations():
+    with pytest.raises(ValueError, match=r"holds 6 completions.*not a multiple of num_generations=4.*multiple of 4"):
+        config(per_device_train_batch_size=3, steps_per_generation=2)
+
+
+def test_fewer_than_two_generations():
+    with pytest.raises(ValueError, match=r"num_generations=1.*at least 2 generations.*Set num_generations to 2"):
+        config(num_generations=1, per_device_train_batch_size=1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.5])
+def test_non_positive_temperature(temperature):
+    with pytest.raises(ValueError, match=r"temperature=.*must be > 0.*Use e\.g\. 1\.0"):
+        config(temperature=temperature)
+
+
+def test_absurd_learning_rate_warns():
+    with pytest.warns(UserWarning, match=r"learning_rate=0\.5 is far above what LoRA.*5e-6 to 5e-4"):
+        config(learning_rate=0.5)
+
+
+def test_negative_learning_rate_is_an_error():
+    with pytest.raises(ValueError, match=r"learning_rate=-0\.001 must be positive"):
+        config(learning_rate=-1e-3)
+
+
+@pytest.mark.parametrize("bad", [0, -2, "many", True])
+def test_num_chunks_range(bad):
+    with pytest.raises(ValueError, match=r"num_chunks must be a positive integer or 'auto'"):
+        config(num_chunks=bad)
+
+
+def test_num_chunks_accepts_digit_strings_from_the_command_line():
+    assert config(num_chunks="4").num_chunks == 4 and config(num_chunks="auto").num_chunks == "auto"
+
+
+def test_max_completion_length_beyond_context():
+    model = lora_tiny_model()  # max_position_embeddings=512
+    with pytest.raises(ValueError, match=r"max_completion_length=600 does not fit the model's context of 512.*Lower"):
+        build_trainer("slimrl", model=model, max_completion_length=600)
+
+
+def test_dataset_without_prompt_column():
+    dataset = tiny_prompt_dataset().rename_column("prompt", "question")
+    with pytest.raises(ValueError, match=r"needs a 'prompt' column.*rename_column\('question', 'prompt'\)"):
+        build_trainer("slimrl", dataset=dataset)
+
+
+def _train_one_step(reward_func):
+    trainer = build_trainer("slimrl", reward_funcs=reward_func, max_steps=1, max_completion_length=4)
+    trainer.train()
+
+
+def test_reward_function_that_raises_names_itself():
+    def broken_reward(completions, **kwargs):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardFunctionError, match=r"Reward function 'broken_reward' raised KeyError"):
+        _train_one_step(broken_reward)
+
+
+def test_reward_function_with_wrong_length():
+    def short_reward(completions, **kwargs):
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match=r"'short_reward' returned 1 rewards for 8 completions"):
+        _train_one_step(short_reward)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nan_or_infinite_reward(value):
+    def nan_reward(completions, **kwargs):
+        return [value] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"'nan_reward' returned .* for completion 0.*return None"):
+        _train_one_step(nan_reward)
+
+
+def test_non_numeric_reward():
+    def text_reward(completions, **kwargs):
+        return ["good"] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"'text_reward' returned 'good' \(str\)"):
+        _train_one_step(text_reward)
+
+
+def test_none_rewards_are_allowed_as_abstentions():
+    def abstaining_reward(completions, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    _train_one_step(abstaining_reward)
+
+
+def test_default_precision_falls_back_to_fp32_without_a_bf16_gpu():
+    """TRL defaults to bf16 and transformers then refuses to run on a CPU; slimrl's config picks fp32 there."""
+    settings = dict(output_dir="/tmp/slimrl-test-validation", report_to="none", per_device_train_batch_size=4,
+                    num_generations=4)  # fmt: skip
+    assert slimrl.GRPOConfig(use_cpu=True, **settings).bf16 is False
+    assert slimrl.GRPOConfig(use_cpu=True, bf16=True, **settings).bf16 is True  # an explicit request is honoured
