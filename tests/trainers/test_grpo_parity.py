@@ -83,7 +83,9 @@ def assert_same_step(expected, actual, label: str, train: bool = True) -> None:
         # a gradient is compared relative to the size of its whole tensor: elementwise rtol on near-zero entries
         # would only measure summation order
         scale = grad.abs().max().item()
-        assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (scaled by {scale:.3g})")
+        assert_close(
+            grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (scaled by {scale:.3g})"
+        )
     assert metrics_a.keys() == metrics_e.keys(), f"{label}: metric names {sorted(metrics_a)} != {sorted(metrics_e)}"
     for name, value in metrics_e.items():
         assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")

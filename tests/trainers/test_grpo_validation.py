@@ -7,8 +7,8 @@ import math
 import pytest
 
 import slimrl
-from slimrl.trainers.rewards_guard import RewardFunctionError
 from slimrl.testing import tiny_prompt_dataset
+from slimrl.trainers.rewards_guard import RewardFunctionError
 from tests.trainers.grpo_harness import build_trainer, lora_tiny_model
 
 

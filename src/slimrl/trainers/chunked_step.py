@@ -73,4 +73,3 @@ def run_chunks(
             backward(loss)
         done = loss.detach() if done is None else done + loss.detach()
     return chunk_loss(chunks[-1]) + done
-
