@@ -47,10 +47,11 @@ def resolve_source(model_name: str | os.PathLike) -> ModelSource:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
                 return ModelSource("gguf", str(path.resolve()), ggufs[0].name)
+            several = f" and several GGUF files {[g.name for g in ggufs]}" if ggufs else ""
             raise ModelSourceError(
-                f"Directory {name!r} has no config.json" + (f" and several GGUF files {[g.name for g in ggufs]}" if ggufs
-                else "") + "; pass a directory saved with save_pretrained, or the path of one .gguf file."
-            )  # fmt: skip
+                f"Directory {name!r} has no config.json{several}; pass a directory saved with save_pretrained, "
+                "or the path of one .gguf file."
+            )
         return ModelSource("directory", str(path.resolve()))
     if name.lower() in EMBEDDED_ALIASES:
         cached = _cached_snapshot("HuggingFaceTB/SmolLM2-135M-Instruct")
