@@ -140,6 +140,8 @@ class FastLanguageModel:
         tokenizer = AutoTokenizer.from_pretrained(
             source.path, trust_remote_code=trust_remote_code, **source.from_pretrained_kwargs()
         )
+        if source.gguf_file is not None:
+            _forget_gguf_quantization(model)
         ensure_pad_token(tokenizer, model)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and max_seq_length > context:
@@ -258,6 +260,15 @@ class FastLanguageModel:
         from slimrl.models.saving import save_merged
 
         return save_merged(model, tokenizer, path, dtype=dtype, overwrite=overwrite)
+
+
+def _forget_gguf_quantization(model) -> None:
+    """transformers dequantises GGUF weights while loading but still marks the model as GGUF-quantised, which makes
+    Trainer refuse to train it. The weights in memory are plain tensors, so the mark is dropped."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def _set_gradient_checkpointing(model, mode: bool | str) -> None:
