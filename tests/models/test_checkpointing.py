@@ -1,0 +1,100 @@
+"""Offloaded gradient checkpointing: the same gradients as plain checkpointing and as none, with the copy path run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from slimrl.models import checkpointing
+from slimrl.models.checkpointing import (
+    disable_offloaded_checkpointing,
+    enable_offloaded_checkpointing,
+    is_offloaded_checkpointing,
+)
+from slimrl.testing import tiny_model
+from tests.tolerances import assert_close
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 13, 14, 15, 16, 17, 18]])
+MASK = (IDS != 0).long()
+
+
+def lora_model(arch="llama", dropout=0.0):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return get_peft_model(tiny_model(arch), config)
+
+
+def loss_and_grads(model, seed=0):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # same dropout masks for every variant
+    loss = model(input_ids=IDS, attention_mask=MASK, labels=IDS).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(expected, actual, label):
+    assert_close(actual[0], expected[0], name=f"{label}: loss")
+    assert expected[1].keys() == actual[1].keys() and expected[1]
+    for name, grad in expected[1].items():
+        assert_close(actual[1][name], grad, name=f"{label}: grad of {name}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_offloaded_gradients_equal_plain_checkpointing_and_none(arch, dropout):
+    model = lora_model(arch, dropout)
+    reference = loss_and_grads(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = loss_and_grads(model)
+    before = checkpointing._Streams.offloaded
+    enable_offloaded_checkpointing(model)
+    offloaded = loss_and_grads(model)
+    assert checkpointing._Streams.offloaded - before == 2  # both decoder layers' inputs went through host memory
+    assert_same(reference, plain, "plain checkpointing")
+    assert_same(reference, offloaded, "offloaded checkpointing")
+
+
+def test_full_fine_tune_gets_input_gradients_through_offloaded_layers():
+    model = tiny_model()
+    reference = loss_and_grads(model)
+    enable_offloaded_checkpointing(model)
+    assert_same(reference, loss_and_grads(model), "full fine-tune")
+
+
+def test_survives_a_later_gradient_checkpointing_enable_and_can_be_undone():
+    model = lora_model()
+    enable_offloaded_checkpointing(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as HF Trainer does
+    layers = model.get_base_model().model.layers
+    assert all(layer._gradient_checkpointing_func is checkpointing.offloaded_checkpoint for layer in layers)
+    assert is_offloaded_checkpointing(model)
+    disable_offloaded_checkpointing(model)
+    assert not is_offloaded_checkpointing(model)
+    assert all(layer._gradient_checkpointing_func is not checkpointing.offloaded_checkpoint for layer in layers)
+    assert all(layer.gradient_checkpointing for layer in layers)
+
+
+def test_eval_and_no_grad_forwards_do_not_offload():
+    model = lora_model()
+    enable_offloaded_checkpointing(model)
+    before = checkpointing._Streams.offloaded
+    with torch.no_grad():
+        model(input_ids=IDS, attention_mask=MASK)
+    assert checkpointing._Streams.offloaded == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory side-stream path needs CUDA")
+def test_cuda_offload_matches_plain_checkpointing():
+    model = lora_model().cuda()
+    global IDS, MASK
+    ids, mask = IDS, MASK
+    try:
+        IDS, MASK = ids.cuda(), mask.cuda()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plain = loss_and_grads(model)
+        enable_offloaded_checkpointing(model)
+        assert_same(plain, loss_and_grads(model), "CUDA offload")
+    finally:
+        IDS, MASK = ids, mask
