@@ -9,17 +9,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def auto_num_chunks(trainer, inputs) -> int:
-    """Chunks for this micro-batch. On CPU memory is not the constraint, so the batch runs in one piece."""
-    device = inputs["completion_ids"].device
+def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
+    """Chunks for sequences of these token lengths. On CPU memory is not the constraint: one piece."""
     if device.type != "cuda":
         return 1
+    from slimrl.models.checkpointing import is_offloaded_checkpointing
     from slimrl.trainers.memory import choose_num_chunks
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    lengths = (inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).tolist()
-    choice = choose_num_chunks(model.config, lengths, free_bytes=free_bytes, dtype=model.dtype)
+    choice = choose_num_chunks(
+        model.config,
+        lengths,
+        free_bytes=free_bytes,
+        dtype=model.dtype,
+        offloaded=is_offloaded_checkpointing(model),
+        tiled_mlp=bool(getattr(trainer.args, "mlp_tile_tokens", 0)),
+    )
     if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
         logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)
         trainer._last_auto_chunks = choice.num_chunks

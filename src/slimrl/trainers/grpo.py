@@ -65,6 +65,21 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
+    offload_checkpoints: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Park each decoder layer's gradient checkpoint in pinned CPU memory between forward and backward, "
+            "so GPU memory does not grow with the number of layers. None: on when CUDA and gradient_checkpointing."
+        },
+    )
+    mlp_tile_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "On CUDA, run each decoder MLP over tiles of this many tokens (checkpointed), so a long "
+            "sequence's MLP activations never exist at once. 0 disables tiling."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _bf16_supported(self.use_cpu):
             self.bf16 = False  # TRL defaults to bf16, which transformers refuses where there is no bf16 GPU
@@ -90,6 +105,13 @@ class GRPOConfig(trl.GRPOConfig):
             )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
+        if self.mlp_tile_tokens < 0:
+            raise ValueError(f"mlp_tile_tokens must be >= 0 (0 disables MLP tiling), got {self.mlp_tile_tokens}.")
+        if self.offload_checkpoints and not self.gradient_checkpointing:
+            raise ValueError(
+                "offload_checkpoints=True offloads gradient checkpoints, but gradient_checkpointing is False. "
+                "Set gradient_checkpointing=True, or leave offload_checkpoints unset."
+            )
 
     def _check_generation_settings(self) -> None:
         if self.num_generations is not None and self.num_generations < 2:
@@ -156,14 +178,32 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, *positional, **kwargs):
         if args is not None and not isinstance(args, GRPOConfig):
             # A plain trl.GRPOConfig works; it gets slimrl's defaults for the fields it lacks.
-            args.num_chunks = getattr(args, "num_chunks", "auto")
+            for name in ("num_chunks", "offload_checkpoints", "mlp_tile_tokens"):
+                if not hasattr(args, name):
+                    setattr(args, name, GRPOConfig.__dataclass_fields__[name].default)
         _check_dataset(train_dataset, "train_dataset")
         super().__init__(model, reward_funcs, args, train_dataset, *positional, **kwargs)
         _check_context_length(self.model, self.args.max_completion_length)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
+        self._apply_memory_savers()
         self._fallback_reasons_logged: set[str] = set()
         self._phase_start: float | None = None
         self._phase_tokens = 0
+
+    def _apply_memory_savers(self) -> None:
+        """On CUDA: offloaded checkpoints and tiled MLPs (both exact; see models/checkpointing.py, ops/tiled_mlp.py)."""
+        if self.args.use_cpu or not torch.cuda.is_available():
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        offload = self.args.offload_checkpoints
+        if offload or (offload is None and self.args.gradient_checkpointing):
+            from slimrl.models.checkpointing import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(model)
+        if self.args.mlp_tile_tokens:
+            from slimrl.ops.tiled_mlp import enable_tiled_mlp
+
+            enable_tiled_mlp(model, self.args.mlp_tile_tokens)
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 
@@ -223,7 +263,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, T]
 
-        chunks = plan_chunks(completion_mask, self._num_chunks_for(inputs))
+        lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
+        chunks = plan_chunks(completion_mask, self._num_chunks_for(lengths, completion_ids.device))
 
         # Micro-batch-wide quantities every chunk's share of the loss depends on.
         token_normalizer = None
@@ -300,7 +341,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._log_chunk_metrics(mode, sums, policy_total, entropy_stats)
         return loss
 
-    def _num_chunks_for(self, inputs) -> int:
+    def _num_chunks_for(self, lengths: list[int], device: torch.device) -> int:
         requested = getattr(self.args, "num_chunks", "auto")
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             if requested != 1:
@@ -310,7 +351,19 @@ class GRPOTrainer(trl.GRPOTrainer):
             return int(requested)
         from slimrl.trainers.auto_chunks import auto_num_chunks
 
-        return auto_num_chunks(self, inputs)
+        return auto_num_chunks(self, lengths, device)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):  # fmt: skip
+        # Gradient-free scoring passes (old and reference log-probs) run in the training step's chunks, so they never
+        # hold more activations than a training chunk does. Rows are scored independently: same values.
+        multimodal = any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS)
+        if not torch.is_grad_enabled() and not multimodal and input_ids.size(0) > 1:
+            chunks = self._num_chunks_for(attention_mask.sum(1).tolist(), input_ids.device)
+            batch_size = min(batch_size or input_ids.size(0), math.ceil(input_ids.size(0) / chunks))
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+        )
 
     @torch.no_grad()
     def _top_entropy_mask(self, model, inputs, chunks: list[Chunk], mask: torch.Tensor) -> torch.Tensor:

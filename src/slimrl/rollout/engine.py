@@ -1,0 +1,545 @@
+"""slimrl's built-in rollout engine: batched generation with the training model's own weights, in place.
+
+`RolloutEngine(model).generate(prompts, SamplingParams(...), max_new_tokens)` decodes a batch of token-id prompts
+with our own Llama-family forward (`llama.py`) over the live modules, so a LoRA adapter updated by the optimizer is
+used by the next rollout with no merge, copy or re-capture. Per rollout:
+
+1. prompts are left-padded to a common length P (their real tokens at positions 0..len-1, as transformers derives
+   them from the attention mask) and prefilled in row blocks into a static KV cache (`kv_cache.py`), allocated for
+   this rollout's shape and kept until `release()` or a differently shaped rollout;
+2. each decode step (embed, all layers, LM head, logits processing, sampling, bookkeeping) runs on static buffers
+   without host syncs; on CUDA it is captured once as a CUDA graph per (batch bucket, cache length, sampling
+   settings) and replayed; the layer math is torch.compile'd on CUDA (fused norms, RoPE and LoRA epilogues);
+3. sequences stop at an EOS / stop token (included in the completion, as vLLM and transformers do), at a stop
+   string (the completion ends with the token that completes the string: vLLM keeps that token's id and only trims
+   the text), or at their own max token count; finished rows keep running masked until every row is done.
+
+Log-probs: see `SamplingParams.logprobs_mode` (default: of the distribution actually sampled from, vLLM's
+"processed_logprobs" as TRL configures it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from slimrl.rollout import llama
+from slimrl.rollout.kv_cache import StaticKVCache, kv_bytes_per_token
+from slimrl.rollout.sampling import SamplingParams, choose_tokens, exponential_noise
+
+logger = logging.getLogger(__name__)
+
+PREFILL_TOKENS = 16384  # prompt tokens per prefill block: bounds the prefill's activation memory
+CHECK_EVERY = 16  # decode steps between looks at "all done" and stop strings
+SEQ_ROUND = 128  # cache lengths are rounded up to this, so rollouts of similar length reuse one captured graph
+STOP_WINDOW = 32  # tokens before the newest ones re-decoded when looking for stop strings during decoding
+
+
+def supports(model) -> tuple[bool, str]:
+    """(True, "") if the engine can run this model, else (False, reason) naming what is unsupported."""
+    return llama.supports(model)
+
+
+@dataclass
+class RolloutOutput:
+    """Per sequence, in the order of the prompts: the prompt, completion ids, their log-probs, why it ended.
+
+    completion_ids include the EOS / stop token that ended a sequence. finish_reason is "stop" (EOS, stop token or
+    stop string) or "length" (its max token count or the engine's max_seq_len). logprobs is None when
+    `SamplingParams.logprobs` is False.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    finish_reason: list[str]
+    stats: dict = field(default_factory=dict)
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes share captured graphs by bucket: 1, 2, 4, 8, then multiples of 8."""
+    if batch <= 8:
+        return 1 << (batch - 1).bit_length()
+    return 8 * math.ceil(batch / 8)
+
+
+class _Session:
+    """Everything one rollout shape needs on the device: the cache, the decode-step buffers, the captured graph."""
+
+    def __init__(self, decoder: llama.Decoder, batch: int, seq_len: int, params: SamplingParams, stop_ids):
+        device, vocab = decoder.device, decoder.vocab_size
+        self.batch, self.seq_len, self.params = batch, seq_len, params
+        self.cache = StaticKVCache(
+            decoder.num_layers, batch, decoder.kv_heads, seq_len, decoder.head_dim, decoder.dtype, device
+        )
+        self.cos, self.sin = decoder.rope_tables(seq_len)  # [S, D]
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, **long)  # the input token of the next step
+        self.positions = torch.zeros(batch, **long)  # its RoPE position (real tokens before it)
+        self.column = torch.zeros(1, **long)  # its cache column, shared by all rows (left padding)
+        self.step = torch.zeros(1, **long)  # new tokens produced so far
+        self.max_new = torch.zeros(batch, **long)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.mask = torch.zeros(batch, 1, 1, seq_len, dtype=decoder.dtype, device=device)  # additive
+        self.out_tokens = torch.zeros(batch, seq_len, **long)
+        self.out_logprobs = torch.zeros(batch, seq_len, dtype=torch.float32, device=device)
+        self.stop_ids = torch.tensor(sorted(stop_ids), **long) if stop_ids else None
+        penalised = params.repetition_penalty != 1
+        self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device) if penalised else None
+        self.noise = None if params.greedy else torch.empty(batch, vocab, dtype=torch.float32, device=device)
+        self.graph = None
+        self.fingerprint = None
+        self.key = None
+
+    def reset_for_capture(self) -> None:
+        """Harmless values for the warm-up steps before a capture (they write cache column 0, which prefill
+        overwrites)."""
+        for buf in (self.tokens, self.positions, self.column, self.step, self.max_new):
+            buf.zero_()
+        self.done.fill_(True)
+        self.mask.fill_(float("-inf"))
+        if self.noise is not None:
+            self.noise.fill_(1.0)
+
+    def start(self, prompts: list[list[int]], max_new: list[int], length: int, pad_id: int) -> None:
+        """Initial state for a rollout of these prompts (rows past len(prompts) are idle padding rows)."""
+        device, batch = self.tokens.device, self.batch
+        lengths = torch.tensor([len(p) for p in prompts] + [1] * (batch - len(prompts)), device=device)
+        limits = torch.tensor(list(max_new) + [0] * (batch - len(prompts)), device=device)
+        # the prefill's last token sits at column P-1, position len-1; `finish_step` advances both
+        self.positions.copy_(lengths - 1)
+        self.column.fill_(length - 1)
+        self.step.zero_()
+        self.max_new.copy_(limits)
+        self.done.copy_(limits <= 0)
+        columns = torch.arange(self.seq_len, device=device)
+        real = (columns[None, :] >= length - lengths[:, None]) & (columns[None, :] < length)
+        self.mask.fill_(float("-inf")).masked_fill_(real[:, None, None, :], 0.0)
+        if self.seen is not None:
+            self.seen.zero_()
+            rows = [r for r, p in enumerate(prompts) for _ in p]
+            cols = [t for p in prompts for t in p]
+            self.seen[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+
+    def free(self) -> None:
+        self.graph = None
+        self.cache = None
+
+
+class _Compiled:
+    """torch.compile'd functions; on a compile error the eager function takes over (once, with a warning)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=None)
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                logger.warning("torch.compile failed for %s (%s); running it eagerly.", self.fn.__name__, err)
+                self.failed = True
+        return self.fn(*args, **kwargs)
+
+
+class RolloutEngine:
+    """Generates with a Llama-family model's live weights (LoRA included) through a static cache and CUDA graphs.
+
+    model: a transformers Llama / Qwen2 / Qwen3 / Mistral causal LM, possibly peft-wrapped, possibly with
+        bitsandbytes 4/8-bit Linear layers. It is read, never modified or copied.
+    max_batch_size: most sequences decoded together; more prompts are decoded in successive waves.
+    max_seq_len: longest prompt + completion; default the model's max_position_embeddings.
+    gpu_memory_utilization: if set, the fraction of the GPU's memory the process may use with the cache allocated;
+        batches that would exceed it are split into waves.
+    tokenizer: needed only for stop strings.
+    cuda_graphs / compile: default on for CUDA, off on CPU (the eager path is the same math).
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 256,
+        max_seq_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        tokenizer=None,
+        cuda_graphs: bool | None = None,
+        compile: bool | None = None,
+    ):
+        supported, why = supports(model)
+        if not supported:
+            raise ValueError(f"The rollout engine cannot run this model: {why}. Generate with transformers instead.")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+        self.model = model
+        self.decoder = llama.Decoder(model)
+        self.device = self.decoder.device
+        on_cuda = self.device.type == "cuda"
+        if (cuda_graphs or compile) and not on_cuda:
+            raise ValueError("cuda_graphs and compile need the model on a CUDA device; leave them at None on CPU.")
+        self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.use_compile = on_cuda if compile is None else compile
+        config = self.decoder.causal_lm.config
+        self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 4096))
+        self.max_batch_size = max_batch_size
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.tokenizer = tokenizer
+        generation_config = getattr(self.decoder.causal_lm, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = getattr(generation_config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids or [0])[0]
+        self._generator = torch.Generator(device=self.device)
+        self._session: _Session | None = None
+        self._pool = None
+        if self.use_compile:
+            self._blocks = llama.Blocks(*(_Compiled(fn) for fn in llama.EAGER_BLOCKS))
+            self._choose = _Compiled(choose_tokens)
+        else:
+            self._blocks, self._choose = llama.EAGER_BLOCKS, choose_tokens
+        self.last_stats: dict = {}
+
+    # -- public ------------------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int | list[int] | None = None
+    ) -> RolloutOutput:
+        """Complete each prompt (a list of token ids). max_new_tokens (one int or one per prompt) defaults to
+        `params.max_tokens`; it is capped so prompt + completion fit in max_seq_len."""
+        prompts = [list(map(int, p)) for p in prompts]
+        limits = self._limits(prompts, params, max_new_tokens)
+        stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer: pass RolloutEngine(model, tokenizer=...).")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self._generator.manual_seed(seed)
+        results: list = [None] * len(prompts)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0}
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
+        with torch.no_grad():
+            for wave in self._waves(order, prompts, limits):
+                outs = self._run_wave([prompts[i] for i in wave], [limits[i] for i in wave], params, stop_ids, stats)
+                for i, out in zip(wave, outs, strict=True):
+                    results[i] = out
+        self.last_stats = stats
+        return RolloutOutput(
+            prompt_ids=prompts,
+            completion_ids=[r[0] for r in results],
+            logprobs=[r[1] for r in results] if params.logprobs else None,
+            finish_reason=[r[2] for r in results],
+            stats=stats,
+        )
+
+    def release(self) -> None:
+        """Free the KV cache, decode buffers and captured graphs so training gets the memory back; the next
+        `generate` allocates (and, on CUDA, captures) again."""
+        if self._session is not None:
+            self._session.free()
+        self._session = None
+        self._pool = None
+
+    # -- planning ------------------------------------------------------------------------------------------------
+
+    def _limits(self, prompts, params: SamplingParams, max_new_tokens) -> list[int]:
+        if not prompts:
+            raise ValueError("generate needs at least one prompt.")
+        vocab = self.decoder.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token.")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}).")
+            if len(p) >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens, leaving no room under max_seq_len={self.max_seq_len}; "
+                    "truncate prompts or raise max_seq_len."
+                )
+        if max_new_tokens is None:
+            max_new_tokens = params.max_tokens
+        if max_new_tokens is None:
+            raise ValueError("Say how many tokens to generate: max_new_tokens=... or SamplingParams(max_tokens=...).")
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts.")
+        if any(m < 0 for m in max_new_tokens):
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        window = self.decoder.sliding_window
+        longest = max(len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True))
+        if window is not None and min(longest, self.max_seq_len) > window:
+            raise ValueError(
+                f"sequences of up to {longest} tokens exceed the model's sliding window ({window}), which the engine "
+                "does not implement; generate with transformers or shorten max_new_tokens."
+            )
+        return [min(int(m), self.max_seq_len - len(p)) for p, m in zip(prompts, max_new_tokens, strict=True)]
+
+    def _rows_that_fit(self, seq_len: int) -> int:
+        """How many rows of this cache length fit in the gpu_memory_utilization budget (max_batch_size if none)."""
+        if self.gpu_memory_utilization is None or self.device.type != "cuda":
+            return self.max_batch_size
+        d = self.decoder
+        per_row = seq_len * (kv_bytes_per_token(d.num_layers, d.kv_heads, d.head_dim, d.dtype) + 12)
+        per_row += d.vocab_size * 16  # logits, fp32 copies and noise of the sampling step
+        if self._session is not None and self._session.cache is not None:
+            held = self._session.cache.nbytes
+        else:
+            held = 0
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = self.gpu_memory_utilization * total - (torch.cuda.memory_allocated(self.device) - held)
+        rows = int(budget // per_row)
+        if rows < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for even one sequence of "
+                f"{seq_len} tokens; raise it, or lower max_seq_len / max_new_tokens."
+            )
+        return min(rows, self.max_batch_size)
+
+    def _waves(self, order, prompts, limits):
+        start = 0
+        while start < len(order):
+            first = order[start]
+            seq_len = len(prompts[first]) + max(limits[i] for i in order[start:])
+            rows = self._rows_that_fit(min(self.max_seq_len, seq_len))
+            yield order[start : start + rows]
+            start += rows
+
+    # -- one wave ----------------------------------------------------------------------------------------------
+
+    def _session_for(self, batch: int, seq_len: int, params: SamplingParams, stop_ids) -> _Session:
+        key = (batch, seq_len, _sampling_key(params), tuple(sorted(stop_ids)))
+        session = self._session
+        if session is None or session.key != key:
+            self.release()  # one shape at a time: free the old cache before allocating the new one
+            session = _Session(self.decoder, batch, seq_len, params, stop_ids)
+            session.key = key
+            self._session = session
+        return session
+
+    def _run_wave(self, prompts, limits, params: SamplingParams, stop_ids, stats) -> list:
+        decoder, count = self.decoder, len(prompts)
+        length = max(len(p) for p in prompts)
+        longest = length + max(limits)  # left padding: a short prompt's completion can reach past max_seq_len columns
+        seq_len = max(longest, min(self.max_seq_len, SEQ_ROUND * math.ceil(longest / SEQ_ROUND)))
+        session = self._session_for(_bucket(count), seq_len, params, stop_ids)
+        stats["waves"] += 1
+
+        if self.use_graphs:
+            tick = time.perf_counter()
+            fingerprint = decoder.fingerprint() + (session.cache.data_ptrs(),)
+            if session.graph is None or session.fingerprint != fingerprint:
+                self._capture(session)
+                session.fingerprint = fingerprint
+            stats["capture_s"] += time.perf_counter() - tick
+
+        tick = _now(self.device)
+        session.start(prompts, limits, length, self.pad_token_id)
+        logits = self._prefill(session, prompts, length)
+        self._fill_noise(session)
+        self._finish_step(session, logits)
+        del logits
+        stats["prefill_s"] += _now(self.device) - tick
+
+        tick = _now(self.device)
+        steps = self._decode(session, prompts, max(limits), params)
+        stats["decode_s"] += _now(self.device) - tick
+        stats["decode_steps"] += steps - 1
+        return self._collect(session, count, steps, limits, params, stop_ids)
+
+    def _prefill(self, session: _Session, prompts, length: int) -> torch.Tensor:
+        """Run the prompts through the model in row blocks; return the last position's logits [batch, V]."""
+        decoder, device = self.decoder, self.device
+        batch = session.batch
+        padded = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        real = torch.zeros((batch, length), dtype=torch.bool)
+        for r in range(batch):
+            tokens = prompts[r] if r < len(prompts) else [self.pad_token_id]
+            padded[r, length - len(tokens) :] = torch.tensor(tokens)
+            real[r, length - len(tokens) :] = True
+        padded, real = padded.to(device), real.to(device)
+        positions = (real.long().cumsum(-1) - 1).clamp_min_(0)  # transformers: cumsum of the attention mask - 1
+        logits = torch.empty(batch, decoder.vocab_size, dtype=decoder.dtype, device=device)
+        block = max(1, PREFILL_TOKENS // length)
+        for start in range(0, batch, block):
+            rows = slice(start, min(batch, start + block))
+            b = rows.stop - rows.start
+            mask = llama.prefill_mask(real[rows], decoder.dtype)
+            cos = session.cos.index_select(0, positions[rows].reshape(-1))
+            sin = session.sin.index_select(0, positions[rows].reshape(-1))
+
+            def attend(layer, q, k, v, rows=rows, mask=mask, b=b):
+                return llama.prefill_attention(decoder, session.cache, layer, rows, q, k, v, mask, b, length)
+
+            ids = padded[rows].reshape(-1)
+            hidden = decoder.forward(ids, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
+            last = hidden.view(b, length, -1)[:, -1]
+            logits[rows] = decoder.logits(last)
+        return logits
+
+    def _fill_noise(self, session: _Session) -> None:
+        if session.noise is not None:
+            exponential_noise(None, None, self._generator, out=session.noise)
+
+    def _finish_step(self, session: _Session, logits: torch.Tensor) -> None:
+        """Choose the next tokens from logits [B, V] and advance every buffer; no host sync (graph-safe)."""
+        params = session.params
+        tokens, logprobs = self._choose(logits, params, session.seen, session.noise)
+        tokens = torch.where(session.done, self.pad_token_id, tokens)
+        session.out_tokens.index_copy_(1, session.step, tokens[:, None])
+        if logprobs is not None:
+            session.out_logprobs.index_copy_(1, session.step, logprobs[:, None])
+        if session.seen is not None:
+            session.seen.scatter_(1, tokens[:, None], True)
+        session.step.add_(1)
+        finished = session.step >= session.max_new
+        if session.stop_ids is not None:
+            finished = finished | (tokens[:, None] == session.stop_ids[None, :]).any(dim=-1)
+        session.done.logical_or_(finished)
+        session.tokens.copy_(tokens)
+        session.positions.add_(1)
+        session.column.add_(1)
+
+    def _decode_step(self, session: _Session) -> None:
+        """One token for every row: the body that is captured as a CUDA graph."""
+        decoder = self.decoder
+        session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
+        cos = session.cos.index_select(0, session.positions)
+        sin = session.sin.index_select(0, session.positions)
+
+        def attend(layer, q, k, v):
+            return llama.decode_attention(decoder, session.cache, layer, session.column, q, k, v, session.mask)
+
+        hidden = decoder.forward(session.tokens, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
+        self._finish_step(session, decoder.logits(hidden))
+
+    def _capture(self, session: _Session) -> None:
+        """Warm up (compiles, lazy inits) on a side stream, then capture one decode step."""
+        session.graph = None
+        session.reset_for_capture()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_step(session)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        session.reset_for_capture()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(session)
+        session.graph = graph
+
+    def _decode(self, session: _Session, prompts, max_steps: int, params: SamplingParams) -> int:
+        """Run decode steps until every row is done or max_steps tokens exist; return the tokens per row made."""
+        count = len(prompts)
+        on_cuda = self.device.type == "cuda"
+        pending = None  # (event, flag) of the previous check: read one period late so the GPU never waits on us
+        checked = [0] * count
+        step = 1
+        while step < max_steps:
+            self._fill_noise(session)
+            if session.graph is not None:
+                session.graph.replay()
+            else:
+                self._decode_step(session)
+            step += 1
+            if step % CHECK_EVERY or step >= max_steps:
+                continue
+            if params.stop_strings:
+                self._check_stop_strings(session, count, step, checked)
+            if not on_cuda:
+                if bool(session.done.all()):
+                    break
+                continue
+            if pending is not None:
+                pending[0].synchronize()
+                if bool(pending[1]):
+                    break
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(session.done.all(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending = (event, flag)
+        return step
+
+    def _check_stop_strings(self, session: _Session, count: int, step: int, checked: list[int]) -> None:
+        """Mark rows whose newest text contains a stop string as done (exact truncation happens in _collect)."""
+        done = session.done[:count].cpu()
+        active = [r for r in range(count) if not done[r]]
+        if not active:
+            return
+        tokens = session.out_tokens[:count, :step].cpu()
+        hits = []
+        for r in active:
+            window = tokens[r, max(0, checked[r] - STOP_WINDOW) : step].tolist()
+            checked[r] = step
+            text = self.tokenizer.decode(window, skip_special_tokens=True)
+            if any(s in text for s in session.params.stop_strings):
+                hits.append(r)
+        if hits:
+            session.done[torch.tensor(hits, device=self.device)] = True
+
+    def _collect(self, session: _Session, count: int, steps: int, limits, params: SamplingParams, stop_ids) -> list:
+        tokens = session.out_tokens[:count, :steps].tolist()
+        logprobs = session.out_logprobs[:count, :steps].tolist() if params.logprobs else None
+        out = []
+        for r in range(count):
+            row = tokens[r][: limits[r]]
+            end, reason = len(row), "length"
+            for i, t in enumerate(row):
+                if t in stop_ids:
+                    end, reason = i + 1, "stop"
+                    break
+            if params.stop_strings:
+                hit = _stop_string_end(self.tokenizer, row[:end], params.stop_strings)
+                if hit is not None:
+                    end, reason = hit, "stop"
+            out.append((row[:end], logprobs[r][:end] if logprobs is not None else None, reason))
+        return out
+
+
+def _stop_string_end(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> int | None:
+    """The fewest leading tokens whose text contains a stop string, or None (binary search over prefixes)."""
+
+    def hit(n: int) -> bool:
+        text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not tokens or not hit(len(tokens)):
+        return None
+    low, high = 1, len(tokens)
+    while low < high:
+        mid = (low + high) // 2
+        if hit(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _sampling_key(params: SamplingParams) -> tuple:
+    """The settings a captured decode step bakes in (stop strings and seed are handled outside the graph)."""
+    return (
+        params.temperature,
+        params.top_k_value,
+        params.top_p,
+        params.min_p_value,
+        params.repetition_penalty,
+        params.logprobs,
+        params.logprobs_mode,
+    )
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
