@@ -52,8 +52,9 @@ def build_trainer(kind: str, model, max_len: int, beta: float):
                       report_to="none", bf16=True, gradient_checkpointing=True, save_strategy="no", loss_type="dapo",
                       beta=beta, max_completion_length=max_len, **extra)  # fmt: skip
     tokenizer = tiny_tokenizer()
+    dataset = Dataset.from_list([{"prompt": "a"}] * 16)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_list([{"prompt": "a"}] * 16), processing_class=tokenizer)  # fmt: skip
+                          train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     # as HF Trainer's training loop does when args.gradient_checkpointing is set
