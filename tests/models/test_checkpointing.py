@@ -48,10 +48,12 @@ def test_offloaded_gradients_equal_plain_checkpointing_and_none(arch, dropout):
     reference = loss_and_grads(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plain = loss_and_grads(model)
-    before = checkpointing._Streams.offloaded
-    enable_offloaded_checkpointing(model)
+    before, splits = checkpointing._Streams.offloaded, checkpointing._Streams.split_recomputes
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: MLP tiles of 5, 5, 5 and 1
     offloaded = loss_and_grads(model)
     assert checkpointing._Streams.offloaded - before == 2  # both decoder layers' inputs went through host memory
+    # without dropout the layers are recomputed attention first, then the MLP tile by tile; with dropout, whole
+    assert checkpointing._Streams.split_recomputes - splits == (2 if dropout == 0 else 0)
     assert_same(reference, plain, "plain checkpointing")
     assert_same(reference, offloaded, "offloaded checkpointing")
 
@@ -76,6 +78,15 @@ def test_survives_a_later_gradient_checkpointing_enable_and_can_be_undone():
     assert all(layer.gradient_checkpointing for layer in layers)
 
 
+def test_split_recompute_without_tiling_and_bad_tile_size():
+    model = lora_model()
+    reference = loss_and_grads(model)
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=0)
+    assert_same(reference, loss_and_grads(model), "untiled split recompute")
+    with pytest.raises(ValueError, match="mlp_tile_tokens must be >= 0"):
+        enable_offloaded_checkpointing(model, mlp_tile_tokens=-1)
+
+
 def test_eval_and_no_grad_forwards_do_not_offload():
     model = lora_model()
     enable_offloaded_checkpointing(model)
@@ -94,7 +105,7 @@ def test_cuda_offload_matches_plain_checkpointing():
         IDS, MASK = ids.cuda(), mask.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain = loss_and_grads(model)
-        enable_offloaded_checkpointing(model)
+        enable_offloaded_checkpointing(model, mlp_tile_tokens=3)
         assert_same(plain, loss_and_grads(model), "CUDA offload")
     finally:
         IDS, MASK = ids, mask

@@ -6,18 +6,27 @@ copied to host memory on a side CUDA stream while the forward goes on, and copie
 layer i is recomputed and backpropagated, layer i-1's input is already travelling back. GPU memory then no longer
 grows with the number of layers.
 
+Llama-family layers (Llama, Qwen2, Qwen3, Mistral; the residual attention + residual MLP shape) are recomputed in two
+parts: the attention over the whole sequence, then the MLP tile by tile, each tile's forward followed at once by its
+backward. A long sequence's MLP activations ([tokens, intermediate], 4 of them) then never exist at once, and no
+extra forward is spent on it. The first, gradient-free forward runs the MLP in the same tiles. Other layers (and
+layers with active dropout, whose masks depend on the tiling) are recomputed whole.
+
 It plugs into transformers' own mechanism (`GradientCheckpointingLayer` calls `self._gradient_checkpointing_func`),
 so the model code is untouched. On a CPU the same path runs with plain copies, which is what the tests exercise.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass, field
 
 import torch
 
 _MARK = "_slimrl_offloaded_checkpointing"
+SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+DEFAULT_MLP_TILE_TOKENS = 8192
 
 
 @dataclass
@@ -40,6 +49,8 @@ class _Streams:
     side: dict[torch.device, torch.cuda.Stream] = {}
     last: _Stash | None = None
     offloaded = 0  # tensors parked so far (tests read it to know the copy path ran)
+    split_recomputes = 0  # layers recomputed attention-then-MLP-tiles (tests read it)
+    mlp_tile_tokens = DEFAULT_MLP_TILE_TOKENS
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -107,7 +118,14 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             stash.previous = last
         _Streams.last = stash
         ctx.stash = stash
+        ctx.split = _splittable_layer(function, other_args)
         with torch.no_grad():
+            if ctx.split is not None:
+                layer, kwargs = ctx.split
+                residual = (
+                    hidden_states + layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+                )
+                return residual + _tiled(lambda t: layer.mlp(layer.post_attention_layernorm(t)), residual)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -127,6 +145,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         with torch.random.fork_rng(devices=_rng_devices(hidden_states.device), enabled=stash.rng_state is not None):
             if stash.rng_state is not None:
                 _set_rng_state(hidden_states.device, stash.rng_state)
+            if ctx.split is not None:
+                with torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
+                    _split_backward(*ctx.split, hidden_states, output_grads[0])
+                ctx.function = ctx.other_args = ctx.stash = ctx.split = None
+                return (None, None, hidden_states.grad if stash.requires_grad else None, None) + (None,) * len(others)
             with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
                 outputs = ctx.function(hidden_states, *others)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -137,6 +160,45 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.function = ctx.other_args = ctx.stash = None
         other_grads = tuple(o.grad if torch.is_tensor(o) and o.requires_grad else None for o in others)
         return (None, None, hidden_states.grad if stash.requires_grad else None, None, *other_grads)
+
+
+def _splittable_layer(function, other_args) -> tuple | None:
+    """(layer, kwargs) when `function` is a Llama-family decoder layer's forward that can be recomputed in parts."""
+    if other_args or not isinstance(function, functools.partial):
+        return None
+    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
+    if type(layer).__name__ not in SPLIT_LAYER_TYPES:
+        return None
+    if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
+        return None
+    return layer, dict(function.keywords)
+
+
+def _tiled(function, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A token-wise `function` over [..., tokens, hidden] in tiles, under no grad."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    tile = _Streams.mlp_tile_tokens
+    if tile <= 0 or flat.shape[0] <= tile:
+        return function(hidden_states)
+    return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
+
+
+def _split_backward(layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention."""
+    _Streams.split_recomputes += 1
+    # grad mode is off inside a backward: every op whose graph is needed, views included, runs under enable_grad
+    with torch.enable_grad():
+        residual = hidden_states + layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+        mid = residual.detach().requires_grad_(True)
+        flat_mid = mid.view(-1, mid.shape[-1])
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        tile = _Streams.mlp_tile_tokens if _Streams.mlp_tile_tokens > 0 else flat_mid.shape[0]
+        for start in range(0, flat_mid.shape[0], tile):
+            out = layer.mlp(layer.post_attention_layernorm(flat_mid[start : start + tile]))
+            torch.autograd.backward(out, flat_grad[start : start + tile])  # into the LoRA weights and mid.grad
+            del out  # this tile's MLP activations go before the next tile's are made
+    if residual.requires_grad:
+        torch.autograd.backward(residual, grad_output + mid.grad)
 
 
 def offloaded_checkpoint(function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
@@ -189,9 +251,13 @@ def _install(model) -> None:
             module._gradient_checkpointing_func = offloaded_checkpoint
 
 
-def enable_offloaded_checkpointing(model) -> None:
+def enable_offloaded_checkpointing(model, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> None:
     """Checkpoint every decoder layer with offloading to host memory. Survives later `gradient_checkpointing_enable`
-    calls (HF Trainer makes one when `gradient_checkpointing=True`): they re-install the offloading function."""
+    calls (HF Trainer makes one when `gradient_checkpointing=True`): they re-install the offloading function.
+    `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute."""
+    if mlp_tile_tokens < 0:
+        raise ValueError(f"mlp_tile_tokens must be >= 0, got {mlp_tile_tokens}")
+    _Streams.mlp_tile_tokens = mlp_tile_tokens
     base = _base_model(model)
     if not getattr(base, _MARK, False):
         original_enable = base.gradient_checkpointing_enable

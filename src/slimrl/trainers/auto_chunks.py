@@ -24,7 +24,7 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
         free_bytes=free_bytes,
         dtype=model.dtype,
         offloaded=is_offloaded_checkpointing(model),
-        tiled_mlp=bool(getattr(trainer.args, "mlp_tile_tokens", 0)),
+        tiled_mlp=is_offloaded_checkpointing(model) and bool(getattr(trainer.args, "mlp_tile_tokens", 0)),
     )
     if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
         logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)

@@ -75,8 +75,9 @@ class GRPOConfig(trl.GRPOConfig):
     mlp_tile_tokens: int = field(
         default=8192,
         metadata={
-            "help": "On CUDA, run each decoder MLP over tiles of this many tokens (checkpointed), so a long "
-            "sequence's MLP activations never exist at once. 0 disables tiling."
+            "help": "With offloaded checkpoints, recompute each Llama-family decoder MLP over tiles of this many "
+            "tokens, forward and backward per tile, so a long sequence's MLP activations never exist at once (no "
+            "extra compute). 0 disables tiling."
         },
     )
 
@@ -191,19 +192,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._phase_tokens = 0
 
     def _apply_memory_savers(self) -> None:
-        """On CUDA: offloaded checkpoints and tiled MLPs (both exact; see models/checkpointing.py, ops/tiled_mlp.py)."""
+        """On CUDA: offloaded checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
         if self.args.use_cpu or not torch.cuda.is_available():
             return
-        model = self.accelerator.unwrap_model(self.model)
         offload = self.args.offload_checkpoints
         if offload or (offload is None and self.args.gradient_checkpointing):
             from slimrl.models.checkpointing import enable_offloaded_checkpointing
 
-            enable_offloaded_checkpointing(model)
-        if self.args.mlp_tile_tokens:
-            from slimrl.ops.tiled_mlp import enable_tiled_mlp
-
-            enable_tiled_mlp(model, self.args.mlp_tile_tokens)
+            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), self.args.mlp_tile_tokens)
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 
