@@ -35,7 +35,7 @@ def build_model():
     return get_peft_model(model, lora)
 
 
-def build_trainer(kind: str, model, max_len: int, beta: float):
+def build_trainer(kind: str, model, max_len: int, beta: float, variant: dict | None = None):
     from datasets import Dataset
 
     from slimrl.testing import tiny_tokenizer
@@ -47,7 +47,7 @@ def build_trainer(kind: str, model, max_len: int, beta: float):
     else:
         from slimrl import GRPOConfig, GRPOTrainer
 
-        extra = {"num_chunks": "auto"}
+        extra = {"num_chunks": "auto", **(variant or {})}
     args = GRPOConfig(output_dir="/tmp/bench-grpo", per_device_train_batch_size=B, num_generations=B,
                       report_to="none", bf16=True, gradient_checkpointing=True, save_strategy="no", loss_type="dapo",
                       beta=beta, max_completion_length=max_len, **extra)  # fmt: skip
@@ -123,6 +123,12 @@ def main() -> None:
     parser.add_argument("--trainers", default="trl,slimrl")
     parser.add_argument("--skip-trl-above", type=int, default=32768, help="TRL does not fit beyond this in 80 GB")
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="slimrl settings to compare, e.g. '8/8192/1;8/0/0' = "
+        "num_chunks/mlp_tile_tokens/offload (0 or 1); each is measured as slimrl[variant]",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,8 +142,18 @@ def main() -> None:
     model = build_model()
     report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     path = out / f"grpo_memory{args.tag}.json"
-    for kind in args.trainers.split(","):  # TRL first: slimrl's trainer installs its memory savers on the model
-        trainer = build_trainer(kind, model, max(args.lengths), args.beta)
+    runs = [(kind, None) for kind in args.trainers.split(",")]  # TRL first: slimrl installs its savers on the model
+    for spec in filter(None, args.variants.split(";")):
+        chunks, tile, offload = spec.split("/")
+        variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
+                   "offload_checkpoints": offload == "1"}  # fmt: skip
+        runs.append((f"slimrl[{spec}]", variant))
+    for kind, variant in runs:
+        if variant is not None and not variant["offload_checkpoints"]:
+            from slimrl.models.checkpointing import disable_offloaded_checkpointing
+
+            disable_offloaded_checkpointing(model)
+        trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, variant)
         for length in args.lengths:
             if kind == "trl" and length > args.skip_trl_above:
                 report["results"][f"{kind}_L{length}"] = "skipped (beyond 80 GB in the anchor)"

@@ -25,11 +25,16 @@ def test_everything_fits_in_one_chunk_when_memory_is_plenty():
 
 
 def test_more_chunks_with_less_memory_and_longer_sequences():
-    lengths = [33024] * 8
+    lengths = [2000] * 8
     roomy = choose_num_chunks(W1, lengths, free_bytes=60 * GIB).num_chunks
-    tight = choose_num_chunks(W1, lengths, free_bytes=4 * GIB).num_chunks
-    longer = choose_num_chunks(W1, [2 * n for n in lengths], free_bytes=60 * GIB).num_chunks
-    assert 1 <= roomy < tight <= 8 and roomy <= longer <= 8
+    tight = choose_num_chunks(W1, lengths, free_bytes=GIB // 4).num_chunks
+    longer = choose_num_chunks(W1, [4 * n for n in lengths], free_bytes=60 * GIB).num_chunks
+    assert roomy == 1 and 1 < tight <= 8 and roomy < longer <= 8
+
+
+def test_chunks_hold_about_the_target_tokens_even_when_memory_is_plenty():
+    assert choose_num_chunks(W1, [33024] * 8, free_bytes=70 * GIB).num_chunks == 8
+    assert choose_num_chunks(W1, [4352] * 8, free_bytes=70 * GIB).num_chunks == 2
 
 
 def test_never_more_chunks_than_sequences_and_warns_when_one_does_not_fit():

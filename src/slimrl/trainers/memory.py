@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import torch
 
 HEADROOM = 0.85  # share of the free memory a chunk may plan to use: the allocator fragments, kernels need workspace
+# Memory is a budget, not whatever is free: a chunk holds about this many tokens (unless one sequence is longer).
+# At 16k tokens every GEMM of a 1B-class model is large enough to keep the GPU busy, so smaller chunks cost no speed.
+TARGET_CHUNK_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,16 @@ def choose_num_chunks(
     offloaded: bool = True,
     tiled_mlp: bool = True,
 ) -> ChunkChoice:
-    """The fewest chunks whose largest fits the budget; one sequence per chunk is the floor."""
+    """The fewest chunks of about TARGET_CHUNK_TOKENS tokens whose largest fits the budget; one sequence per chunk is
+    the floor."""
     per_token = bytes_per_token(config, dtype, offloaded, tiled_mlp)
     budget = int(free_bytes * HEADROOM)
     total = sum(sequence_lengths)
     count = len(sequence_lengths)
     if count == 0:
         return ChunkChoice(1, per_token, budget, "empty batch")
-    chunks = min(count, max(1, math.ceil(total * per_token / max(budget, 1))))
+    by_memory = math.ceil(total * per_token / max(budget, 1))
+    chunks = min(count, max(1, by_memory, total // TARGET_CHUNK_TOKENS))
     # chunks take near-equal numbers of sequences: make sure the longest such group fits, else split more
     ordered = sorted(sequence_lengths, reverse=True)
     while chunks < count and sum(ordered[: math.ceil(count / chunks)]) * per_token > budget:
