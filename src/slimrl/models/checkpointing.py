@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimrl.ops.fused import mlp_forward, norm_forward
+
 _MARK = "_slimrl_offloaded_checkpointing"
 SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 DEFAULT_MLP_TILE_TOKENS = 8192
@@ -122,10 +124,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         with torch.no_grad():
             if ctx.split is not None:
                 layer, kwargs = ctx.split
-                residual = (
-                    hidden_states + layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
-                )
-                return residual + _tiled(lambda t: layer.mlp(layer.post_attention_layernorm(t)), residual)
+                residual = hidden_states + _attention(layer, hidden_states, kwargs)
+                return residual + _tiled(lambda t: _mlp_block(layer, t), residual)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -174,6 +174,16 @@ def _splittable_layer(function, other_args) -> tuple | None:
     return layer, dict(function.keywords)
 
 
+def _attention(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """attn(norm1(x)), the layer's first residual branch (the RMSNorm fused on CUDA)."""
+    return layer.self_attn(hidden_states=norm_forward(layer.input_layernorm, hidden_states), **kwargs)[0]
+
+
+def _mlp_block(layer, hidden_states: torch.Tensor) -> torch.Tensor:
+    """mlp(norm2(h)), the layer's second residual branch (RMSNorm and SwiGLU product fused on CUDA)."""
+    return mlp_forward(layer.mlp, norm_forward(layer.post_attention_layernorm, hidden_states))
+
+
 def _tiled(function, hidden_states: torch.Tensor) -> torch.Tensor:
     """A token-wise `function` over [..., tokens, hidden] in tiles, under no grad."""
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -188,13 +198,13 @@ def _split_backward(layer, kwargs, hidden_states: torch.Tensor, grad_output: tor
     _Streams.split_recomputes += 1
     # grad mode is off inside a backward: every op whose graph is needed, views included, runs under enable_grad
     with torch.enable_grad():
-        residual = hidden_states + layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+        residual = hidden_states + _attention(layer, hidden_states, kwargs)
         mid = residual.detach().requires_grad_(True)
         flat_mid = mid.view(-1, mid.shape[-1])
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         tile = _Streams.mlp_tile_tokens if _Streams.mlp_tile_tokens > 0 else flat_mid.shape[0]
         for start in range(0, flat_mid.shape[0], tile):
-            out = layer.mlp(layer.post_attention_layernorm(flat_mid[start : start + tile]))
+            out = _mlp_block(layer, flat_mid[start : start + tile])
             torch.autograd.backward(out, flat_grad[start : start + tile])  # into the LoRA weights and mid.grad
             del out  # this tile's MLP activations go before the next tile's are made
     if residual.requires_grad:
