@@ -118,3 +118,24 @@ def test_default_precision_falls_back_to_fp32_without_a_bf16_gpu():
                     num_generations=4)  # fmt: skip
     assert slimrl.GRPOConfig(use_cpu=True, **settings).bf16 is False
     assert slimrl.GRPOConfig(use_cpu=True, bf16=True, **settings).bf16 is True  # an explicit request is honoured
+
+
+def test_memory_saver_settings_are_validated():
+    with pytest.raises(ValueError, match=r"mlp_tile_tokens must be >= 0"):
+        config(mlp_tile_tokens=-1)
+    with pytest.raises(ValueError, match=r"offload_checkpoints=True.*gradient_checkpointing is False"):
+        config(offload_checkpoints=True, gradient_checkpointing=False)
+
+
+def test_plain_trl_config_gets_slimrl_defaults():
+    import trl
+
+    from tests.trainers.grpo_harness import zero_reward
+
+    args = trl.GRPOConfig(output_dir="/tmp/slimrl-test-validation", report_to="none", bf16=False, use_cpu=True,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=16)  # fmt: skip
+    trainer = build_trainer("slimrl", reward_funcs=zero_reward)
+    trainer = type(trainer)(model=lora_tiny_model(), reward_funcs=zero_reward, args=args,
+                            train_dataset=tiny_prompt_dataset(), processing_class=trainer.processing_class)  # fmt: skip
+    assert trainer.args.num_chunks == "auto" and trainer.args.mlp_tile_tokens == 8192
+    assert trainer.args.offload_checkpoints is None
