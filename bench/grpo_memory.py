@@ -166,6 +166,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(json.dumps({f"{kind}_L{length}": report["results"][f"{kind}_L{length}"]}), flush=True)
             path.write_text(json.dumps(report, indent=2))
+        if "ref" in getattr(model, "peft_config", {}):
+            model.delete_adapter("ref")  # TRL's frozen copy of the initial adapter, made when beta > 0
         del trainer
         gc.collect()
         torch.cuda.empty_cache()

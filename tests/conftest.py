@@ -2,8 +2,6 @@
 
 import os
 
-# Triton kernels run through the interpreter on CPU; must be set before any kernel module is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -12,6 +10,10 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton kernels run through the interpreter where there is no GPU; set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -97,7 +97,8 @@ def test_eval_and_no_grad_forwards_do_not_offload():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory side-stream path needs CUDA")
-def test_cuda_offload_matches_plain_checkpointing():
+def test_cuda_offload_matches_plain_checkpointing(monkeypatch):
+    monkeypatch.setattr(checkpointing._Streams, "min_offload_bytes", 0)  # park even these tiny checkpoints
     model = lora_model().cuda()
     global IDS, MASK
     ids, mask = IDS, MASK
@@ -105,7 +106,9 @@ def test_cuda_offload_matches_plain_checkpointing():
         IDS, MASK = ids.cuda(), mask.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain = loss_and_grads(model)
+        before = checkpointing._Streams.offloaded
         enable_offloaded_checkpointing(model, mlp_tile_tokens=3)
         assert_same(plain, loss_and_grads(model), "CUDA offload")
+        assert checkpointing._Streams.offloaded - before == 2
     finally:
         IDS, MASK = ids, mask

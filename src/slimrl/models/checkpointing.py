@@ -29,6 +29,10 @@ from slimrl.ops.fused import mlp_forward, norm_forward
 _MARK = "_slimrl_offloaded_checkpointing"
 SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 DEFAULT_MLP_TILE_TOKENS = 8192
+MIN_OFFLOAD_BYTES = 32 * 2**20
+# The fused element-wise kernels pay a fixed CPU cost per call; below this many tokens per layer call the GPU work is
+# too short to hide it, so the eager reference runs instead.
+FUSED_MIN_TOKENS = 16384
 
 
 @dataclass
@@ -53,6 +57,9 @@ class _Streams:
     offloaded = 0  # tensors parked so far (tests read it to know the copy path ran)
     split_recomputes = 0  # layers recomputed attention-then-MLP-tiles (tests read it)
     mlp_tile_tokens = DEFAULT_MLP_TILE_TOKENS
+    # Checkpoints smaller than this stay on the GPU: 28 of them cost under 1 GiB, and their copies would cost more
+    # time than they save memory.
+    min_offload_bytes = MIN_OFFLOAD_BYTES
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -63,6 +70,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _park(tensor: torch.Tensor) -> _Stash:
     """Copy `tensor` to host memory: on CUDA asynchronously into pinned memory on the side stream."""
+    if tensor.device.type == "cuda" and tensor.nbytes < _Streams.min_offload_bytes:
+        return _Stash(host=None, device=tensor.device, requires_grad=tensor.requires_grad, on_device=tensor.detach())
     if tensor.device.type == "cuda":
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         side = _side_stream(tensor.device)
@@ -124,8 +133,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         with torch.no_grad():
             if ctx.split is not None:
                 layer, kwargs = ctx.split
-                residual = hidden_states + _attention(layer, hidden_states, kwargs)
-                return residual + _tiled(lambda t: _mlp_block(layer, t), residual)
+                fused = _use_fused(hidden_states)
+                residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
+                return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -174,14 +184,21 @@ def _splittable_layer(function, other_args) -> tuple | None:
     return layer, dict(function.keywords)
 
 
-def _attention(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """attn(norm1(x)), the layer's first residual branch (the RMSNorm fused on CUDA)."""
-    return layer.self_attn(hidden_states=norm_forward(layer.input_layernorm, hidden_states), **kwargs)[0]
+def _attention(layer, hidden_states: torch.Tensor, kwargs: dict, fused: bool) -> torch.Tensor:
+    """attn(norm1(x)), the layer's first residual branch (the RMSNorm fused on CUDA for long sequences)."""
+    normed = norm_forward(layer.input_layernorm, hidden_states) if fused else layer.input_layernorm(hidden_states)
+    return layer.self_attn(hidden_states=normed, **kwargs)[0]
 
 
-def _mlp_block(layer, hidden_states: torch.Tensor) -> torch.Tensor:
-    """mlp(norm2(h)), the layer's second residual branch (RMSNorm and SwiGLU product fused on CUDA)."""
+def _mlp_block(layer, hidden_states: torch.Tensor, fused: bool) -> torch.Tensor:
+    """mlp(norm2(h)), the layer's second residual branch (RMSNorm and SwiGLU product fused for long sequences)."""
+    if not fused:
+        return layer.mlp(layer.post_attention_layernorm(hidden_states))
     return mlp_forward(layer.mlp, norm_forward(layer.post_attention_layernorm, hidden_states))
+
+
+def _use_fused(hidden_states: torch.Tensor) -> bool:
+    return hidden_states.is_cuda and hidden_states.numel() // hidden_states.shape[-1] >= FUSED_MIN_TOKENS
 
 
 def _tiled(function, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -198,13 +215,14 @@ def _split_backward(layer, kwargs, hidden_states: torch.Tensor, grad_output: tor
     _Streams.split_recomputes += 1
     # grad mode is off inside a backward: every op whose graph is needed, views included, runs under enable_grad
     with torch.enable_grad():
-        residual = hidden_states + _attention(layer, hidden_states, kwargs)
+        fused = _use_fused(hidden_states)
+        residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
         mid = residual.detach().requires_grad_(True)
         flat_mid = mid.view(-1, mid.shape[-1])
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         tile = _Streams.mlp_tile_tokens if _Streams.mlp_tile_tokens > 0 else flat_mid.shape[0]
         for start in range(0, flat_mid.shape[0], tile):
-            out = _mlp_block(layer, flat_mid[start : start + tile])
+            out = _mlp_block(layer, flat_mid[start : start + tile], fused)
             torch.autograd.backward(out, flat_grad[start : start + tile])  # into the LoRA weights and mid.grad
             del out  # this tile's MLP activations go before the next tile's are made
     if residual.requires_grad:
