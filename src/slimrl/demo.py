@@ -25,7 +25,7 @@ TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own te
 @dataclass
 class DemoSettings:
     model: str = "SmolLM2-135M-Instruct"
-    steps: int = 30
+    steps: int = 50
     output_dir: str = "outputs/demo"
     num_generations: int = 8
     prompts_per_step: int = 2
@@ -72,12 +72,12 @@ def load_model(settings: DemoSettings, device: str):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Greedy answers to held-out problems: accuracy (a bare, correct number, as asked) and lenient accuracy (the
-    final number of the reply is correct, whatever surrounds it)."""
+    """Greedy answers to held-out problems: accuracy (the reply's final answer is correct) and the share of replies
+    that are a bare correct number, as the prompt asks."""
     from slimrl import FastLanguageModel
 
     FastLanguageModel.for_inference(model)
-    strict = lenient = 0
+    correct_count = bare_count = 0
     device = next(model.parameters()).device
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
@@ -89,10 +89,10 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int = 1
         completions = tokenizer.batch_decode(outputs[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         for completion, answer in zip(completions, rows["answer"], strict=True):
             correct = extract_answer(completion) == answer
-            strict += correct and is_bare_answer(completion)
-            lenient += correct
+            correct_count += correct
+            bare_count += correct and is_bare_answer(completion)
     FastLanguageModel.for_training(model)
-    return {"accuracy": strict / len(dataset), "lenient_accuracy": lenient / len(dataset)}
+    return {"accuracy": correct_count / len(dataset), "bare_correct": bare_count / len(dataset)}
 
 
 def _progress_callback(total_steps: int, history: list[dict]):
@@ -145,7 +145,7 @@ def run_demo(settings: DemoSettings) -> dict:
     train_set = arithmetic_dataset(settings.steps * settings.prompts_per_step, seed=settings.seed, split="train")
     eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, split="eval")
     before = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy before: {before['accuracy']:.1%} (lenient {before['lenient_accuracy']:.1%})")
+    print(f"held-out accuracy before: {before['accuracy']:.1%} (bare correct number: {before['bare_correct']:.1%})")
 
     history: list[dict] = []
     config = GRPOConfig(
@@ -186,7 +186,7 @@ def run_demo(settings: DemoSettings) -> dict:
     train_seconds = time.perf_counter() - train_started
 
     after = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy after:  {after['accuracy']:.1%} (lenient {after['lenient_accuracy']:.1%})")
+    print(f"held-out accuracy after:  {after['accuracy']:.1%} (bare correct number: {after['bare_correct']:.1%})")
     adapter_dir = FastLanguageModel.save_lora(model, tokenizer, out / "adapter", overwrite=True)
     summary = {
         "settings": asdict(settings),
