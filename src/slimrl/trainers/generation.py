@@ -21,8 +21,12 @@ _ENGINE_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_p
                          "seed", "max_tokens")  # fmt: skip
 
 
-def choose_backend(requested: str, model, *, use_vllm: bool, use_continuous_batching: bool) -> tuple[str, str]:
-    """(backend, reason) for this trainer. An explicit "engine" on an unsupported model is an error."""
+def choose_backend(
+    requested: str, model, *, use_vllm: bool, use_continuous_batching: bool, generation_kwargs: dict | None = None
+) -> tuple[str, str]:
+    """(backend, reason) for this trainer. An explicit "engine" that cannot serve the settings is an error."""
+    if requested not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {BACKENDS}, got {requested!r}.")
     if requested == "vllm" or use_vllm:
         return "vllm", "vLLM requested"
     if requested == "transformers" or use_continuous_batching:
@@ -30,9 +34,12 @@ def choose_backend(requested: str, model, *, use_vllm: bool, use_continuous_batc
     from slimrl.rollout.engine import supports
 
     supported, why = supports(model)
+    unknown = sorted(set(generation_kwargs or {}) - set(_ENGINE_SAMPLING_KEYS))
+    if supported and unknown:
+        supported, why = False, f"generation_kwargs {unknown} are transformers-only"
     if requested == "engine":
         if not supported:
-            raise ValueError(f"generation_backend='engine' cannot run this model: {why}. Use 'transformers'.")
+            raise ValueError(f"generation_backend='engine' cannot serve this run: {why}. Use 'transformers'.")
         return "engine", "engine requested"
     if not torch.cuda.is_available():
         return "transformers", "no CUDA device: the engine's captured decode step needs one"
@@ -54,14 +61,7 @@ def engine_sampling_params(trainer):
         repetition_penalty=args.repetition_penalty,
         stop_token_ids=list(trainer.eos_token_ids),
     )
-    extra = dict(args.generation_kwargs or {})
-    unknown = sorted(set(extra) - set(_ENGINE_SAMPLING_KEYS))
-    if unknown:
-        raise ValueError(
-            f"generation_kwargs {unknown} are not supported by slimrl's rollout engine (it understands "
-            f"{', '.join(_ENGINE_SAMPLING_KEYS)}); remove them or set generation_backend='transformers'."
-        )
-    settings.update(extra)
+    settings.update(args.generation_kwargs or {})  # vLLM SamplingParams-style overrides (choose_backend vetted them)
     return SamplingParams(**settings)
 
 

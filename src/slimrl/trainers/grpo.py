@@ -65,6 +65,14 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
+    generation_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
+            "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
+            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
+        },
+    )
     offload_checkpoints: bool | None = field(
         default=None,
         metadata={
@@ -106,6 +114,14 @@ class GRPOConfig(trl.GRPOConfig):
             )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
+        from slimrl.trainers.generation import BACKENDS
+
+        if self.generation_backend not in BACKENDS:
+            raise ValueError(
+                f"generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}."
+            )
+        if self.generation_backend == "vllm":
+            self.use_vllm = True  # TRL's own vLLM integration
         if self.mlp_tile_tokens < 0:
             raise ValueError(f"mlp_tile_tokens must be >= 0 (0 disables MLP tiling), got {self.mlp_tile_tokens}.")
         if self.offload_checkpoints and not self.gradient_checkpointing:
@@ -179,7 +195,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, *positional, **kwargs):
         if args is not None and not isinstance(args, GRPOConfig):
             # A plain trl.GRPOConfig works; it gets slimrl's defaults for the fields it lacks.
-            for name in ("num_chunks", "offload_checkpoints", "mlp_tile_tokens"):
+            for name in ("num_chunks", "offload_checkpoints", "mlp_tile_tokens", "generation_backend"):
                 if not hasattr(args, name):
                     setattr(args, name, GRPOConfig.__dataclass_fields__[name].default)
         _check_dataset(train_dataset, "train_dataset")
@@ -187,6 +203,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         _check_context_length(self.model, self.args.max_completion_length)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()
+        self._choose_generation_backend()
         self._fallback_reasons_logged: set[str] = set()
         self._phase_start: float | None = None
         self._phase_tokens = 0
@@ -200,6 +217,52 @@ class GRPOTrainer(trl.GRPOTrainer):
             from slimrl.models.checkpointing import enable_offloaded_checkpointing
 
             enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), self.args.mlp_tile_tokens)
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def _choose_generation_backend(self) -> None:
+        from slimrl.trainers.generation import choose_backend
+
+        self._rollout_engine = None
+        self._generation_backend, reason = choose_backend(
+            self.args.generation_backend,
+            self.accelerator.unwrap_model(self.model),
+            use_vllm=self.use_vllm,
+            use_continuous_batching=self.args.use_transformers_continuous_batching,
+            generation_kwargs=self.args.generation_kwargs,
+        )
+        if self.args.generation_backend == "auto" and self._generation_backend != "engine":
+            # on CUDA the engine was expected, so the fallback is worth a warning; on CPU it is the plan
+            log = logger.warning if torch.cuda.is_available() else logger.info
+            log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # slimrl's engine decodes with the training weights and the live adapter; TRL's paths serve the rest
+        if self._generation_backend != "engine" or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        from slimrl.trainers.generation import engine_sampling_params, inference_mode
+
+        model = self.accelerator.unwrap_model(self.model)
+        if self._rollout_engine is None:
+            from slimrl.rollout.engine import RolloutEngine
+
+            options = getattr(model, "slimrl_options", None)
+            self._rollout_engine = RolloutEngine(
+                model,
+                max_seq_len=getattr(options, "max_seq_length", None),
+                gpu_memory_utilization=getattr(options, "gpu_memory_utilization", None)
+                if getattr(options, "fast_inference", False)
+                else None,
+                tokenizer=self._tokenizer,
+            )
+        with inference_mode(model):
+            output = self._rollout_engine.generate(
+                prompt_ids, engine_sampling_params(self), max_new_tokens=self.max_completion_length
+            )
+        self._rollout_engine.release()  # the KV cache goes back to training
+        return output.completion_ids, output.logprobs
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,78 @@
+"""GRPO with slimrl's rollout engine as the generation backend (its eager path runs on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimrl.rollout.engine import RolloutEngine
+from slimrl.testing import tiny_tokenizer
+from tests.tolerances import assert_close
+from tests.trainers.grpo_harness import build_trainer
+
+
+def length_reward(completions, **kwargs):
+    return [-abs(len(text) - 6) / 6 for text in completions]
+
+
+def test_auto_backend_is_transformers_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this pins the CPU choice")
+    assert build_trainer("slimrl")._generation_backend == "transformers"
+
+
+def test_engine_backend_generates_the_rollouts_and_their_logprobs_match_the_training_forward(monkeypatch):
+    calls = []
+    original = RolloutEngine.generate
+
+    def spy(self, prompts, params, max_new_tokens=None):
+        calls.append((len(prompts), params.temperature, max_new_tokens))
+        return original(self, prompts, params, max_new_tokens)
+
+    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    trainer = build_trainer("slimrl", reward_funcs=length_reward, generation_backend="engine", max_steps=2,
+                            logging_steps=1, max_completion_length=8, temperature=0.9, seed=3)  # fmt: skip
+    assert trainer._generation_backend == "engine"
+    trainer.train()
+    assert calls and all(c == (8, 0.9, 8) for c in calls)
+    assert trainer._rollout_engine._session is None or trainer._rollout_engine._session.cache is None
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+    # the engine's sampled-token log-probs (fp32, no filters) are the policy's own log-probs at that temperature:
+    # a fresh rollout from the current weights, scored by the training forward
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    trainer.model.eval()
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, batch["completion_ids"].size(1)
+        )
+    valid = batch["completion_mask"].bool()
+    assert valid.any()
+    assert_close(batch["sampling_per_token_logps"][valid], logps[valid], "engine_logprobs", name="sampled logprobs")
+
+
+def test_explicit_engine_refuses_what_it_cannot_serve():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=264, pad_token_id=0))
+    with pytest.raises(ValueError, match="generation_backend='engine' cannot serve this run"):
+        build_trainer("slimrl", model=gpt2, generation_backend="engine")
+    with pytest.raises(ValueError, match=r"generation_kwargs \['sequence_bias'\] are transformers-only"):
+        build_trainer("slimrl", generation_backend="engine", generation_kwargs={"sequence_bias": {(3,): 1.0}})
+
+
+def test_unknown_backend_is_a_config_error():
+    import slimrl
+
+    with pytest.raises(ValueError, match="generation_backend must be one of"):
+        slimrl.GRPOConfig(output_dir="/tmp/x", use_cpu=True, generation_backend="fast")
+
+
+def test_tokenizer_is_passed_for_stop_strings():
+    trainer = build_trainer("slimrl", generation_backend="engine", generation_kwargs={"stop": ["\n"]}, max_steps=1,
+                            max_completion_length=6)  # fmt: skip
+    trainer.train()
+    assert trainer._rollout_engine.tokenizer.get_vocab() == tiny_tokenizer().get_vocab()
