@@ -9,7 +9,10 @@ used by the next rollout with no merge, copy or re-capture. Per rollout:
    this rollout's shape and kept until `release()` or a differently shaped rollout;
 2. each decode step (embed, all layers, LM head, logits processing, sampling, bookkeeping) runs on static buffers
    without host syncs; on CUDA it is captured once as a CUDA graph per (batch bucket, cache length, sampling
-   settings) and replayed; the layer math is torch.compile'd on CUDA (fused norms, RoPE and LoRA epilogues);
+   settings) and replayed. On CUDA the step is cut for few launches (`Decoder.forward_grouped`): norms, RoPE and
+   SwiGLU torch.compile'd with the residual adds fused in, cuBLAS for the base projections, two Triton launches
+   per group of projections sharing an input for LoRA (`lora_kernels.py`), one Triton launch per layer for
+   attention over each row's live cache columns (`attention_kernel.py`);
 3. sequences stop at an EOS / stop token (included in the completion, as vLLM and transformers do), at a stop
    string (the completion ends with the token that completes the string: vLLM keeps that token's id and only trims
    the text), or at their own max token count; finished rows keep running masked until every row is done.
@@ -81,6 +84,7 @@ class _Session:
         self.tokens = torch.zeros(batch, **long)  # the input token of the next step
         self.positions = torch.zeros(batch, **long)  # its RoPE position (real tokens before it)
         self.column = torch.zeros(1, **long)  # its cache column, shared by all rows (left padding)
+        self.starts = torch.zeros(batch, **long)  # first real column of each row (its left padding)
         self.step = torch.zeros(1, **long)  # new tokens produced so far
         self.max_new = torch.zeros(batch, **long)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -98,7 +102,7 @@ class _Session:
     def reset_for_capture(self) -> None:
         """Harmless values for the warm-up steps before a capture (they write cache column 0, which prefill
         overwrites)."""
-        for buf in (self.tokens, self.positions, self.column, self.step, self.max_new):
+        for buf in (self.tokens, self.positions, self.column, self.step, self.max_new, self.starts):
             buf.zero_()
         self.done.fill_(True)
         self.mask.fill_(float("-inf"))
@@ -113,6 +117,7 @@ class _Session:
         # the prefill's last token sits at column P-1, position len-1; `finish_step` advances both
         self.positions.copy_(lengths - 1)
         self.column.fill_(length - 1)
+        self.starts.copy_(length - lengths)
         self.step.zero_()
         self.max_new.copy_(limits)
         self.done.copy_(limits <= 0)
@@ -161,6 +166,15 @@ class RolloutEngine:
         batches that would exceed it are split into waves.
     tokenizer: needed only for stop strings.
     cuda_graphs / compile: default on for CUDA, off on CPU (the eager path is the same math).
+    tf32_adapters: on CUDA, when the model computes in bf16/fp16 but its LoRA weights are fp32 (peft's default),
+        let those adapter matmuls use TF32 during rollouts (8x faster prefill; TF32's 10-bit mantissa is still
+        finer than the bf16 base weights). Off: exact fp32 adapter math, as peft. An fp32 model is never affected.
+    grouped_decode: decode with `Decoder.forward_grouped` (projections sharing an input applied together, LoRA as
+        two Triton launches per group on CUDA, residual adds fused into norms). Default: on CUDA when Triton is
+        installed. On CPU it can be turned on to run the same structure with plain-PyTorch pieces. Prefill uses
+        the same structure when it is on.
+    triton_attention: decode attention with `attention_kernel` (reads each row's live cache columns once) instead
+        of SDPA with a mask. Default: on CUDA when Triton is installed.
     """
 
     def __init__(
@@ -172,6 +186,9 @@ class RolloutEngine:
         tokenizer=None,
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        tf32_adapters: bool = True,
+        grouped_decode: bool | None = None,
+        triton_attention: bool | None = None,
     ):
         supported, why = supports(model)
         if not supported:
@@ -188,6 +205,7 @@ class RolloutEngine:
             raise ValueError("cuda_graphs and compile need the model on a CUDA device; leave them at None on CPU.")
         self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.use_compile = on_cuda if compile is None else compile
+        self.tf32 = tf32_adapters and on_cuda and self.decoder.dtype in (torch.bfloat16, torch.float16)
         config = self.decoder.causal_lm.config
         self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 4096))
         self.max_batch_size = max_batch_size
@@ -206,7 +224,28 @@ class RolloutEngine:
             self._choose = _Compiled(choose_tokens)
         else:
             self._blocks, self._choose = llama.EAGER_BLOCKS, choose_tokens
+        self.grouped_decode = (on_cuda and _triton_available()) if grouped_decode is None else grouped_decode
+        self._grouped = self._grouped_ops() if self.grouped_decode else None
+        if triton_attention is None:
+            triton_attention = on_cuda and _triton_available()
+        if triton_attention and not on_cuda:
+            raise ValueError("triton_attention needs the model on a CUDA device.")
+        self._attention_kernel = None
+        if triton_attention:
+            from slimrl.rollout import attention_kernel
+
+            self._attention_kernel = attention_kernel
         self.last_stats: dict = {}
+
+    def _grouped_ops(self) -> llama.GroupedOps:
+        ops = llama.EAGER_GROUPED
+        if self.use_compile:
+            ops = llama.GroupedOps(*(_Compiled(fn) for fn in ops[:4]), ops.add_lora)
+        if self.device.type == "cuda" and _triton_available():
+            from slimrl.rollout import lora_kernels
+
+            ops = ops._replace(add_lora=lora_kernels.GroupedLoRA(tf32=self.tf32))
+        return ops
 
     # -- public ------------------------------------------------------------------------------------------------
 
@@ -225,11 +264,17 @@ class RolloutEngine:
         results: list = [None] * len(prompts)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0}
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
-        with torch.no_grad():
-            for wave in self._waves(order, prompts, limits):
-                outs = self._run_wave([prompts[i] for i in wave], [limits[i] for i in wave], params, stop_ids, stats)
-                for i, out in zip(wave, outs, strict=True):
-                    results[i] = out
+        tf32_before = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = tf32_before or self.tf32
+            with torch.no_grad():
+                for wave in self._waves(order, prompts, limits):
+                    prompts_w, limits_w = [prompts[i] for i in wave], [limits[i] for i in wave]
+                    outs = self._run_wave(prompts_w, limits_w, params, stop_ids, stats)
+                    for i, out in zip(wave, outs, strict=True):
+                        results[i] = out
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32_before
         self.last_stats = stats
         return RolloutOutput(
             prompt_ids=prompts,
@@ -379,7 +424,10 @@ class RolloutEngine:
                 return llama.prefill_attention(decoder, session.cache, layer, rows, q, k, v, mask, b, length)
 
             ids = padded[rows].reshape(-1)
-            hidden = decoder.forward(ids, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
+            if self._grouped is not None:
+                hidden = decoder.forward_grouped(ids, cos, sin, attend, self._grouped, self.use_compile)
+            else:
+                hidden = decoder.forward(ids, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
             last = hidden.view(b, length, -1)[:, -1]
             logits[rows] = decoder.logits(last)
         return logits
@@ -391,6 +439,10 @@ class RolloutEngine:
     def _finish_step(self, session: _Session, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits [B, V] and advance every buffer; no host sync (graph-safe)."""
         params = session.params
+        if self.use_compile and logits.shape[0] > 1:
+            for t in (logits, session.seen, session.noise):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         tokens, logprobs = self._choose(logits, params, session.seen, session.noise)
         tokens = torch.where(session.done, self.pad_token_id, tokens)
         session.out_tokens.index_copy_(1, session.step, tokens[:, None])
@@ -410,14 +462,22 @@ class RolloutEngine:
     def _decode_step(self, session: _Session) -> None:
         """One token for every row: the body that is captured as a CUDA graph."""
         decoder = self.decoder
-        session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
+        module = self._attention_kernel
+        kernel = module.decode_attention if module and module.can_run(decoder.head_dim, decoder.dtype) else None
+        if kernel is None:
+            session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
         cos = session.cos.index_select(0, session.positions)
         sin = session.sin.index_select(0, session.positions)
 
         def attend(layer, q, k, v):
-            return llama.decode_attention(decoder, session.cache, layer, session.column, q, k, v, session.mask)
+            return llama.decode_attention(
+                decoder, session.cache, layer, session.column, q, k, v, session.mask, kernel, session.starts
+            )
 
-        hidden = decoder.forward(session.tokens, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
+        if self._grouped is not None:
+            hidden = decoder.forward_grouped(session.tokens, cos, sin, attend, self._grouped, self.use_compile)
+        else:
+            hidden = decoder.forward(session.tokens, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
         self._finish_step(session, decoder.logits(hidden))
 
     def _capture(self, session: _Session) -> None:
@@ -524,6 +584,14 @@ def _stop_string_end(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> in
         else:
             low = mid + 1
     return low
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _sampling_key(params: SamplingParams) -> tuple:

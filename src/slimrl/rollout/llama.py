@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose cos/sin depend on the position alone; "dynamic" and "longrope" also depend on the sequence length.
@@ -213,6 +214,58 @@ def final_norm(hidden, norm):
     return rms_norm(hidden, norm.weight, norm.eps)
 
 
+def add_rms_norm(hidden, delta, norm_weight, eps: float):
+    """(hidden + delta, its RMSNorm): a residual add and the next norm, one kernel when compiled."""
+    hidden = hidden + delta
+    return hidden, rms_norm(hidden, norm_weight, eps)
+
+
+def qk_norm_rope(query, key, q_norm, k_norm, cos, sin):
+    """Qwen3's per-head q/k RMSNorm (when present), then RoPE. query [N, heads, D], key [N, kv_heads, D]."""
+    if q_norm is not None:
+        query = rms_norm(query, q_norm.weight, q_norm.eps)
+        key = rms_norm(key, k_norm.weight, k_norm.eps)
+    return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+
+
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+def add_lora_(x: torch.Tensor, items) -> None:
+    """items: [(y [M, n], (A [r, K], B [n, r], scale))]; y += B(A(x)) * scale in place, as peft computes it."""
+    for y, (lora_a, lora_b, scale) in items:
+        y.copy_((y + F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b) * scale).to(y.dtype))
+
+
+class GroupedOps(NamedTuple):
+    """The pieces of `Decoder.forward_grouped`: plain functions here; compiled ones and Triton LoRA on CUDA."""
+
+    rms_norm: object
+    add_rms_norm: object
+    qk_norm_rope: object
+    silu_mul: object
+    add_lora: object  # add_lora(x, items), in place
+
+
+EAGER_GROUPED = GroupedOps(rms_norm, add_rms_norm, qk_norm_rope, silu_mul, add_lora_)
+
+
+def project(x: torch.Tensor, specs, add_lora) -> list[torch.Tensor]:
+    """Apply projections that share the input x: base GEMMs, then one grouped LoRA update for all of them.
+
+    Same values as `apply_linear` per spec (peft's math); several active adapters fall back to it, since peft keeps
+    their running sum in the adapter dtype."""
+    outs = [s.module(x) if s.module is not None else F.linear(x, s.weight, s.bias) for s in specs]
+    single = [(y, s.loras[0]) for y, s in zip(outs, specs, strict=True) if s.module is None and len(s.loras) == 1]
+    if single:
+        add_lora(x, single)
+    for i, s in enumerate(specs):
+        if s.module is None and len(s.loras) > 1:
+            outs[i] = apply_linear(x, s)
+    return outs
+
+
 class Blocks(NamedTuple):
     """The three pure functions of a layer's forward; the engine swaps in torch.compile'd versions on CUDA."""
 
@@ -315,20 +368,56 @@ class Decoder:
         attend(layer_index, q, k, v) -> [N, heads * D] does the attention (prefill or decode, with the cache).
         mark_dynamic: tell torch.compile that N varies, so one compiled kernel set serves every batch and prompt
         length."""
+        mark = _mark_rows_dynamic if mark_dynamic and ids.shape[0] > 1 else _unmarked
         hidden = self.embed(ids)
-        if mark_dynamic and ids.shape[0] > 1:
-            for t in (hidden, cos, sin):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        mark(cos, sin)
         for index, layer in enumerate(self.layers):
             (norm, q, k, v), (q_norm, k_norm), (o, post_norm), (gate, up, down) = self.layer_args(layer)
+            mark(hidden)
             query, key, value = blocks.attention_inputs(
                 hidden, norm, q, k, v, q_norm, k_norm, cos, sin, self.heads, self.kv_heads, self.head_dim
             )
             attn = attend(index, query, key, value)
-            if mark_dynamic and ids.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(attn, 0)
+            mark(attn)
             hidden = blocks.attention_output_and_mlp(attn, hidden, o, post_norm, gate, up, down)
+        mark(hidden)
         return blocks.final_norm(hidden, norm_spec(self.norm))
+
+    def forward_grouped(self, ids, cos, sin, attend, ops: GroupedOps = EAGER_GROUPED, mark_dynamic: bool = False):
+        """The same forward as `forward`, cut for few launches: projections sharing an input are applied as a group
+        (one LoRA update for q/k/v, one for gate/up) and each residual add is fused with the norm after it."""
+        mark = _mark_rows_dynamic if mark_dynamic and ids.shape[0] > 1 else _unmarked
+        n, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        hidden = self.embed(ids)
+        mark(hidden, cos, sin)
+        begin = getattr(ops.add_lora, "begin", None)
+        if begin is not None:  # one zeroed LoRA workspace for the whole forward (4 projection groups per layer)
+            first = self.layer_args(self.layers[0])
+            specs = (*first[0][1:], *first[2][:1], *first[3])
+            rank = max((a.shape[0] for spec in specs for a, _, _ in spec.loras), default=0)
+            begin(n, 4 * self.num_layers, rank, hidden.device)
+        delta = None
+        for index, layer in enumerate(self.layers):
+            (norm, q, k, v), (q_norm, k_norm), (o, post_norm), (gate, up, down) = self.layer_args(layer)
+            if delta is None:
+                h = ops.rms_norm(hidden, norm.weight, norm.eps)
+            else:
+                mark(delta)
+                hidden, h = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+            query, key, value = project(h, (q, k, v), ops.add_lora)
+            query, key = query.view(n, heads, dim), key.view(n, kv_heads, dim)
+            mark(query, key)
+            query, key = ops.qk_norm_rope(query, key, q_norm, k_norm, cos, sin)
+            attn = attend(index, query, key, value.view(n, kv_heads, dim))
+            (out,) = project(attn, (o,), ops.add_lora)
+            mark(hidden, out)
+            hidden, h = ops.add_rms_norm(hidden, out, post_norm.weight, post_norm.eps)
+            gate_out, up_out = project(h, (gate, up), ops.add_lora)
+            mark(gate_out, up_out)
+            (delta,) = project(ops.silu_mul(gate_out, up_out), (down,), ops.add_lora)
+        mark(hidden, delta)
+        final = norm_spec(self.norm)
+        return ops.add_rms_norm(hidden, delta, final.weight, final.eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, as transformers' lm_head gives them."""
@@ -344,6 +433,15 @@ class Decoder:
                 parts.append(None if norm is None else (norm.weight.data_ptr(), float(norm.variance_epsilon)))
         parts.append(_spec_identity(linear_spec(self.lm_head)))
         return tuple(parts)
+
+
+def _mark_rows_dynamic(*tensors) -> None:
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _unmarked(*tensors) -> None:
+    pass
 
 
 def _spec_identity(spec: LinearSpec):
@@ -374,19 +472,27 @@ def prefill_attention(decoder: Decoder, cache, layer: int, rows: slice, q, k, v,
     return out.transpose(1, 2).reshape(batch * length, heads * dim)
 
 
-def decode_attention(decoder: Decoder, cache, layer: int, column: torch.Tensor, q, k, v, mask):
-    """One new token per sequence: write its K/V at `column`, attend over the whole cache row under `mask`.
+def decode_attention(
+    decoder: Decoder, cache, layer: int, column: torch.Tensor, q, k, v, mask, kernel=None, starts=None
+):
+    """One new token per sequence: write its K/V at `column`, attend over the cache row's live columns.
 
-    The query heads that share a kv head are laid out as that head's queries ([B, kv_heads, group, D]), so the
-    cache is read once per kv head, with no repeat. q [B, heads, D], k/v [B, kv_heads, D], mask [B, 1, 1, S].
+    q [B, heads, D], k/v [B, kv_heads, D], mask [B, 1, 1, S] additive. `kernel` (attention_kernel.decode_attention)
+    reads each row's columns [starts[b], column] directly; without it, SDPA with the mask, where the query heads that
+    share a kv head are laid out as that head's queries ([B, kv_heads, group, D]), so nothing is repeated.
     """
     batch = q.shape[0]
     heads, kv_heads, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
     cache.write_column(layer, column, k, v)
-    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(
-        grouped, cache.keys[layer], cache.values[layer], attn_mask=mask, scale=decoder.scaling
-    )
+    keys, values = cache.keys[layer], cache.values[layer]
+    if kernel is not None:
+        return kernel(q, keys, values, starts, column, decoder.scaling).reshape(batch, heads * dim)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    if q.is_cuda:  # cuDNN's kernel, the default pick on Hopper, is slow for a handful of queries against a mask
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=decoder.scaling)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=decoder.scaling)
     return out.reshape(batch, heads * dim)
 
 

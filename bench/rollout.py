@@ -1,0 +1,342 @@
+"""W2 (shared/bench/WORKLOAD.md): rollout throughput on W1's model with a live LoRA adapter, beside TRL's paths.
+
+Model: Qwen2, vocab 151936, hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 kv heads, tied embeddings, bf16,
+random init, peft LoRA r=64 alpha=64 on all linear layers (peft's default fp32 adapter weights, as TRL gets them; B
+set to small random values so the adapter matters). Prompts: 256 random tokens; 256 new tokens at temperature 1.0,
+no EOS; batch 8, 64, 256. Reported, in tokens/second (generated tokens / wall time including prefill):
+  engine   slimrl's RolloutEngine, adapter live (second of two identical rollouts: the first compiles and captures)
+  hf       TRL's default path: `generate` through the PEFT model (new tokens capped by --baseline-tokens)
+  cb       transformers continuous batching `generate_batch` through the PEFT model (TRL's
+           use_transformers_continuous_batching), as shared/bench/anchors/gen_anchor.py (capped likewise)
+  roofline batch / ((weight bytes + KV bytes read per step) / measured copy bandwidth), the KV term at the mean
+           context of the rollout (prompt + half the completion)
+Also: a self-check of the engine's Triton kernels against their references (a failing one is turned off before
+timing), greedy output of the engine vs `generate` greedy on the first 64 tokens (bf16, and fp32 with --fp32-check),
+and the kernels of one captured decode step at batch 64 and 256 (profile of graph replays).
+
+    python bench/rollout.py [$OUT/rollout.json] [--batches 8 64 256] [--baseline-tokens 64] [--skip hf cb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+V, PROMPT, NEW = 151936, 256, 256
+
+
+def build_model(dtype=torch.bfloat16):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=V, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    lora = LoraConfig(r=64, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    return model.eval()
+
+
+def prompts_for(batch: int, seed: int = 0, vary: bool = False) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [PROMPT - (i * 7) % 57 if vary else PROMPT for i in range(batch)]
+    return [torch.randint(10, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (best of 10)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        start = sync_time()
+        dst.copy_(src)
+        best = min(best, sync_time() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (2 << 30) / best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter (tied embedding counted once: the LM head reads it whole every step)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def engine_run(engine, batch, params, new_tokens):
+    prompts = prompts_for(batch)
+    engine.generate(prompts, params, max_new_tokens=new_tokens)  # compile + capture, then the timed run
+    start = sync_time()
+    out = engine.generate(prompts, params, max_new_tokens=new_tokens)
+    seconds = sync_time() - start
+    tokens = sum(len(c) for c in out.completion_ids)
+    stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.stats.items()}
+    step_ms = 1000 * out.stats["decode_s"] / max(1, out.stats["decode_steps"])
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens,
+            "decode_step_ms": round(step_ms, 3), "stats": stats,
+            "kv_cache_GiB": round(engine._session.cache.nbytes / 2**30, 3)}  # fmt: skip
+
+
+def hf_generate_run(model, batch, new_tokens):
+    ids = torch.tensor(prompts_for(batch), device="cuda")
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=1, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, :32], attention_mask=torch.ones_like(ids[:, :32]), max_new_tokens=4, **kwargs)
+        start = sync_time()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, **kwargs)  # fmt: skip
+        seconds = sync_time() - start
+    tokens = (out.shape[1] - ids.shape[1]) * batch
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens, "new_tokens": new_tokens}
+
+
+def cb_run(model, batch, new_tokens):
+    from transformers import GenerationConfig
+
+    prompts = prompts_for(batch)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=None, pad_token_id=1)  # fmt: skip
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:4], generation_config=config, max_new_tokens=8)
+        start = sync_time()
+        out = model.generate_batch(inputs=prompts, generation_config=config)
+        seconds = sync_time() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens, "new_tokens": new_tokens}
+
+
+def greedy_match(model, engine, batch=8, new_tokens=64):
+    """Engine greedy vs generate greedy on left-padded prompts of different lengths: matching prefix per row."""
+    from slimrl.rollout.sampling import SamplingParams
+
+    prompts = prompts_for(batch, seed=1, vary=True)
+    out = engine.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=new_tokens).completion_ids
+    length = max(map(len, prompts))
+    ids = torch.tensor([[1] * (length - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=1, eos_token_id=None)[:, length:].tolist()  # fmt: skip
+    prefixes = []
+    for a, b in zip(out, ref, strict=True):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefixes.append(n)
+    same = sum(x == y for a, b in zip(out, ref, strict=True) for x, y in zip(a, b, strict=False))
+    return {"identical_rows": sum(p == new_tokens for p in prefixes), "rows": batch, "matching_prefix": prefixes,
+            "token_match_fraction": round(same / (batch * new_tokens), 4), "new_tokens": new_tokens}  # fmt: skip
+
+
+def graph_profile(engine, reps: int = 20):
+    """The captured decode step of the engine's current session: time per replay, and its kernels per step (from a
+    profile of three replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine._session.graph
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    step_ms = (sync_time() - start) * 1000 / reps
+    report = {"batch": engine._session.batch, "replay_ms": round(step_ms, 3)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows, total_us, count = [], 0.0, 0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or 0
+        if t <= 0:
+            continue
+        total_us += t
+        count += e.count
+        rows.append((t / 3, e.count / 3, e.key[:90]))
+    rows.sort(reverse=True)
+    report["profiled_kernels_per_step"] = round(count / 3)
+    report["profiled_gpu_us_per_step"] = round(total_us / 3)
+    report["top"] = [{"us": round(t, 1), "n": n, "kernel": k} for t, n, k in rows[:30]]
+    return report
+
+
+def kernel_self_check() -> dict:
+    """The engine's Triton kernels against their references at W1's shapes; a failing one is turned off, so the
+    figures below are always of a correct path."""
+    import torch.nn.functional as F
+
+    from slimrl.rollout import llama
+
+    report = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    try:
+        from slimrl.rollout.attention_kernel import decode_attention
+
+        q = torch.randn(64, 12, 128, generator=g, device="cuda").bfloat16()
+        keys = torch.randn(64, 2, 512, 128, generator=g, device="cuda").bfloat16()
+        values = torch.randn(64, 2, 512, 128, generator=g, device="cuda").bfloat16()
+        starts = torch.randint(0, 60, (64,), generator=g, device="cuda")
+        columns = torch.arange(512, device="cuda")
+        live = (columns[None] >= starts[:, None]) & (columns[None] <= 400)
+        mask = torch.zeros(live.shape, device="cuda").masked_fill_(~live, float("-inf")).bfloat16()[:, None, None]
+        want = F.scaled_dot_product_attention(q[:, :, None], keys.repeat_interleave(6, 1),
+                                              values.repeat_interleave(6, 1), attn_mask=mask)[:, :, 0]  # fmt: skip
+        got = decode_attention(q, keys, values, starts, torch.tensor([400], device="cuda"), 128**-0.5)
+        report["attention_max_abs_err"] = float((got.float() - want.float()).abs().max())
+    except Exception as err:  # noqa: BLE001
+        report["attention_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    try:
+        from slimrl.rollout.lora_kernels import lora_group_
+
+        x = torch.randn(64, 1536, generator=g, device="cuda").bfloat16()
+        items = []
+        for width in (1536, 256, 256):
+            y = torch.randn(64, width, generator=g, device="cuda").bfloat16()
+            a = torch.randn(64, 1536, generator=g, device="cuda") * 1536**-0.5
+            b = torch.randn(width, 64, generator=g, device="cuda") * 0.1
+            items.append((y, (a, b, 1.0)))
+        expected = [(y.clone(), lora) for y, lora in items]
+        llama.add_lora_(x, expected)
+        lora_group_(x, items, tf32=True)
+        report["lora_max_abs_err"] = max(float((y.float() - e.float()).abs().max()) for (y, _), (e, _) in
+                                         zip(items, expected, strict=True))  # fmt: skip
+    except Exception as err:  # noqa: BLE001
+        report["lora_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    report["attention_ok"] = report.get("attention_max_abs_err", 1.0) < 0.05
+    report["lora_ok"] = report.get("lora_max_abs_err", 1.0) < 0.1
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "rollout.json"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--baseline-tokens", type=int, default=64)
+    sections = ["hf", "cb", "greedy", "profile", "engine", "ungrouped"]
+    parser.add_argument("--skip", nargs="*", default=[], choices=sections)
+    parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
+    args = parser.parse_args(argv)
+
+    import peft
+    import transformers
+
+    from slimrl.rollout.engine import RolloutEngine
+    from slimrl.rollout.sampling import SamplingParams
+
+    result = {
+        "workload": "W2",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "prompt_tokens": PROMPT,
+        "new_tokens": NEW,
+        "sampling": "temperature 1.0, top_k 0, top_p 1.0, no EOS",
+        "baseline_note": f"hf and cb generate {args.baseline_tokens} new tokens per sequence (not {NEW}) to fit the "
+        "device time; their per-step cost is dominated by host overhead, so tokens/s changes little with length",
+    }
+
+    def save():
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(json.dumps(result), flush=True)
+
+    result["copy_bandwidth_GBps"] = round(copy_bandwidth() / 1e9, 1)
+    model = build_model()
+    result["weight_GiB"] = round(weight_bytes(model) / 2**30, 3)
+    result["kernel_self_check"] = check = kernel_self_check()
+    engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
+                           triton_attention=check["attention_ok"])  # fmt: skip
+    result["engine_config"] = {"grouped_decode": engine.grouped_decode, "tf32_adapters": engine.tf32,
+                               "triton_attention": engine._attention_kernel is not None,
+                               "cuda_graphs": engine.use_graphs, "compile": engine.use_compile}  # fmt: skip
+    kv_per_token = 2 * 28 * 2 * 128 * 2
+    result["roofline"] = {}
+    for batch in args.batches:
+        mean_context = PROMPT + NEW / 2
+        step_bytes = weight_bytes(model) + batch * mean_context * kv_per_token
+        result["roofline"][f"B{batch}"] = round(batch / (step_bytes / (result["copy_bandwidth_GBps"] * 1e9)))
+    save()
+
+    def attempt(key, fn, *fn_args):
+        try:
+            result[key] = fn(*fn_args)
+        except Exception as err:  # noqa: BLE001 - a failing section is reported and the others still run
+            result[key] = f"ERR {type(err).__name__}: {str(err)[:300]}"
+            traceback.print_exc()
+        save()
+
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
+    if "engine" not in args.skip:
+        result["engine"] = {}
+        for batch in args.batches:
+            start = time.perf_counter()
+            try:
+                result["engine"][f"B{batch}"] = engine_run(engine, batch, params, NEW)
+                result["engine"][f"B{batch}"]["first_call_s"] = round(time.perf_counter() - start, 1)
+            except Exception as err:  # noqa: BLE001
+                result["engine"][f"B{batch}"] = f"ERR {type(err).__name__}: {str(err)[:300]}"
+                traceback.print_exc()
+            save()
+        compiled = [*engine._blocks, engine._choose, *(engine._grouped[:4] if engine._grouped else [])]
+        result["engine_compile_failed"] = [getattr(f, "failed", None) for f in compiled]
+    if "greedy" not in args.skip:
+        attempt("greedy_bf16", greedy_match, model, engine)
+    if "profile" not in args.skip:
+        for batch in (64, 256):
+            if batch in args.batches:
+                engine.generate(prompts_for(batch), params, max_new_tokens=8)
+                attempt(f"decode_graph_B{batch}", graph_profile, engine)
+    if "ungrouped" not in args.skip and engine.grouped_decode and 64 in args.batches:
+        engine.release()
+        plain = RolloutEngine(model, max_batch_size=64, grouped_decode=False)
+        attempt("engine_ungrouped_B64", engine_run, plain, 64, params, NEW)
+        plain.release()
+        del plain
+    engine.release()
+    for name, runner in (("hf", hf_generate_run), ("cb", cb_run)):
+        if name in args.skip:
+            continue
+        result[name] = {}
+        for batch in args.batches:
+            try:
+                result[name][f"B{batch}"] = runner(model, batch, args.baseline_tokens)
+            except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
+                result[name][f"B{batch}"] = f"ERR {type(err).__name__}: {str(err)[:200]}"
+            save()
+    if args.fp32_check:
+        model = model.float()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        flags = dict(grouped_decode=check["lora_ok"], triton_attention=check["attention_ok"])
+        attempt("greedy_fp32", lambda: greedy_match(model, RolloutEngine(model, max_batch_size=8, **flags)))
+    return result
+
+
+if __name__ == "__main__":
+    main()

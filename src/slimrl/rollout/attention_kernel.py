@@ -1,0 +1,96 @@
+"""Decode attention in one Triton launch per layer: one new query per sequence against its live cache columns.
+
+With left-padded prompts, sequence b's keys are the columns [start_b, end] of its cache row (start_b = its padding,
+end = the column just written, the same for all rows). One program per (sequence, kv head) loads the `group` query
+heads that share the kv head as the rows of one tile, and streams those columns once with an online softmax: no mask
+tensor, no repeat of K/V, and the unused columns past `end` are never read (SDPA reads the whole static row).
+The reference is `F.scaled_dot_product_attention` with the additive mask (`llama.decode_attention`'s other branch);
+the tests compare the two on CUDA. Import this module only where Triton may be used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_S = 64  # cache columns per step of the loop
+
+
+def can_run(head_dim: int, dtype: torch.dtype) -> bool:
+    """Power-of-two head dims (16 ... 256) in the dtypes tl.dot takes."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and dtype in dtypes
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    start_ptr,
+    end_ptr,
+    scale,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    end = tl.load(end_ptr).to(tl.int32) + 1  # exclusive
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g[:, None] < GROUP
+    q_rows = b * HEADS + h * GROUP + offs_g  # q and out are [B, HEADS, D] contiguous
+    q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok, other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_kb + h * stride_kh
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+    first = (start // BLOCK_S) * BLOCK_S
+    for s0 in range(first, end, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        live = (offs_s >= start) & (offs_s < end)
+        k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_S] fp32
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok)
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, end: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v over each row's columns [starts[b], end].
+
+    q [B, heads, D]; keys/values [B, kv_heads, S, D] (the static cache); starts [B] and end [1] int tensors on the
+    device (no host sync). Returns [B, heads, D] in q's dtype.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_attention_kernel[(batch, kv_heads)](
+        q, keys, values, out, starts, end, scale, keys.stride(0), keys.stride(1), keys.stride(2),
+        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=BLOCK_S,
+        PRECISION=precision,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,254 @@
+"""Grouped LoRA for the decode step: two Triton launches per group of projections that share an input.
+
+A decode step is launch-bound: with peft's default fp32 adapters on a bf16 model, every LoRA projection costs an
+input cast, two small fp32 GEMMs (the first split over K, so a reduction kernel too) and an epilogue. Here the
+projections that read the same input (q, k and v; gate and up) are handled together, reading the adapter tensors
+live from the model:
+
+- `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
+  partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
+  in the last bits of fp32);
+- `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
+
+The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
+scaling` with the adapter dtype's roundings, the sum rounded once to the output dtype); only summation order differs.
+fp32 products use TF32 when `tf32` is set. `llama.add_lora_` is the plain-PyTorch version, and the tests
+compare the two on CUDA. Import this module only where Triton may be used: it imports triton at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slimrl.rollout.llama import add_lora_
+
+MAX_GROUP = 3  # adapters per launch (q, k, v)
+TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H100)
+WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
+
+
+def can_fuse(x: torch.Tensor, items) -> bool:
+    """Whether `lora_group_` handles these: CUDA, contiguous, one adapter dtype and rank, at most three."""
+    if not items or len(items) > MAX_GROUP or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return False
+    lora_a0, lora_b0, _ = items[0][1]
+    rank, dtype = lora_a0.shape[0], lora_a0.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or rank > 128:
+        return False
+    for y, (lora_a, lora_b, _) in items:
+        if lora_a.dtype != dtype or lora_b.dtype != dtype or lora_a.shape != (rank, x.shape[1]):
+            return False
+        if lora_b.shape != (y.shape[1], rank) or not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+            return False
+        if y.shape[0] != x.shape[0] or not y.is_contiguous() or y.dtype != items[0][0].dtype:
+            return False
+    return True
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    ws_ptr,
+    M,
+    K,
+    R,
+    stride_xm,
+    k_per_split,
+    R_BLOCKS: tl.constexpr,
+    R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    group = tl.program_id(1) // R_BLOCKS
+    r_block = tl.program_id(1) % R_BLOCKS
+    split = tl.program_id(2)
+    if group == 0:
+        a_ptr = a0_ptr
+    elif group == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m[:, None] < M
+    r_ok = offs_r[:, None] < R
+    k_start = split * k_per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + offs_k
+        k_ok = k[None, :] < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok & k_ok, other=0.0)
+        a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :], mask=r_ok & k_ok, other=0.0)
+        x = x.to(a.dtype).to(tl.float32)  # peft casts the input to the adapter's dtype
+        acc += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
+    # the K splits of one (rows, rank) tile meet here; the workspace was zeroed before the launch
+    ws = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
+    tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
+
+
+@triton.jit
+def _expand_kernel(
+    ws_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    y0_ptr,
+    y1_ptr,
+    y2_ptr,
+    n0,
+    n1,
+    n2,
+    s0,
+    s1,
+    s2,
+    M,
+    R,
+    tiles0,
+    tiles1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    R_PAD: tl.constexpr,
+    ROUND_ADAPTER: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # which projection this output tile belongs to
+    past0 = (pid_n >= tiles0).to(tl.int32)
+    past1 = (pid_n >= tiles0 + tiles1).to(tl.int32)
+    group = past0 + past1
+    tile = pid_n - past0 * tiles0 - past1 * tiles1
+    if pid_n < tiles0:
+        b_ptr = b0_ptr
+        y_ptr = y0_ptr
+        n = n0
+        scale = s0
+    elif pid_n < tiles0 + tiles1:
+        b_ptr = b1_ptr
+        y_ptr = y1_ptr
+        n = n1
+        scale = s1
+    else:
+        b_ptr = b2_ptr
+        y_ptr = y2_ptr
+        n = n2
+        scale = s2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    m_ok = offs_m[:, None] < M
+    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok, other=0.0)
+    b_ok = (offs_n[:, None] < n) & (offs_r[None, :] < R)
+    b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_ok, other=0.0)  # zeros past the rank
+    if ROUND_ADAPTER:  # half-precision adapters: lora_A's output is rounded to their dtype, as in peft
+        xa = xa.to(b.dtype).to(tl.float32)
+    acc = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+    if ROUND_ADAPTER:
+        acc = acc.to(b.dtype).to(tl.float32)
+        acc = (acc * scale).to(b.dtype).to(tl.float32)
+    else:
+        acc = acc * scale
+    mask = m_ok & (offs_n[None, :] < n)
+    y_ptrs = y_ptr + offs_m[:, None] * n + offs_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+def padded_rank(rank: int) -> int:
+    return _pow2_at_least(rank, 16)
+
+
+def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None) -> None:
+    """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
+
+    x [M, K]; y_i [M, n_i] contiguous. workspace: zeroed fp32 of at least len(items) * M * padded_rank(r)
+    elements (allocated here when None). Three launches at most (zeroing, shrink, expand); no host sync.
+    """
+    rows, features = x.shape
+    group = len(items)
+    lora_as = [a for _, (a, _, _) in items]
+    lora_bs = [b for _, (_, b, _) in items]
+    outputs = [y for y, _ in items]
+    scales = [float(s) for _, (_, _, s) in items]
+    rank = lora_as[0].shape[0]
+    r_pad = padded_rank(rank)
+    if workspace is None:
+        workspace = torch.zeros(group * rows * r_pad, dtype=torch.float32, device=x.device)
+    precision = "tf32" if tf32 else "ieee"
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_r = min(r_pad, 32)
+    r_blocks = r_pad // block_r
+    block_k = 64
+    m_tiles = triton.cdiv(rows, block_m)
+    # split K until there are a few programs per SM: a decode step has few rows, so K is the parallel dimension
+    splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(TARGET_PROGRAMS, m_tiles * group * r_blocks)))
+    k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
+    splits = triton.cdiv(features, k_per_split)
+    pad = MAX_GROUP - group
+    a_args = lora_as + [lora_as[0]] * pad
+    _shrink_kernel[(m_tiles, group * r_blocks, splits)](
+        x, *a_args, workspace, rows, features, rank, x.stride(0), k_per_split,
+        R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
+    )  # fmt: skip
+    widths = [y.shape[1] for y in outputs]
+    block_n = 128 if sum(widths) * m_tiles >= 128 * 128 else 64
+    tiles = [triton.cdiv(w, block_n) for w in widths] + [0] * pad
+    b_args = lora_bs + [lora_bs[0]] * pad
+    y_args = outputs + [outputs[0]] * pad
+    n_args = widths + [widths[0]] * pad
+    s_args = scales + [scales[0]] * pad
+    round_adapter = lora_bs[0].dtype != torch.float32
+    _expand_kernel[(m_tiles, sum(tiles))](
+        workspace, *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=r_pad, ROUND_ADAPTER=round_adapter, PRECISION=precision,
+    )  # fmt: skip
+
+
+class GroupedLoRA:
+    """`add_lora(x, items)` for `Decoder.forward_grouped`: Triton where it applies, peft's math elsewhere.
+
+    `begin(rows, calls, rank)` at the start of a forward zeroes one workspace for all of its calls (one memset per
+    decode step instead of one per projection group); calls past it, or of a larger rank, allocate their own.
+    """
+
+    def __init__(self, tf32: bool = True):
+        self.tf32 = tf32
+        self._workspace = None
+        self._offset = 0
+        self._r_pad = 0
+
+    def begin(self, rows: int, calls: int, rank: int, device: torch.device) -> None:
+        self._r_pad = padded_rank(max(rank, 1))
+        size = calls * MAX_GROUP * rows * self._r_pad
+        self._offset = 0
+        if size * 4 > WORKSPACE_BYTES or device.type != "cuda":  # a long prefill: per-call buffers are smaller
+            self._workspace = None
+            return
+        self._workspace = torch.zeros(size, dtype=torch.float32, device=device)
+
+    def __call__(self, x: torch.Tensor, items) -> None:
+        for start in range(0, len(items), MAX_GROUP):
+            chunk = items[start : start + MAX_GROUP]
+            if not can_fuse(x, chunk):
+                add_lora_(x, chunk)
+                continue
+            needed = len(chunk) * x.shape[0] * padded_rank(chunk[0][1][0].shape[0])
+            workspace = None
+            rank_fits = padded_rank(chunk[0][1][0].shape[0]) == self._r_pad
+            if self._workspace is not None and rank_fits and self._offset + needed <= self._workspace.numel():
+                workspace = self._workspace[self._offset : self._offset + needed]
+                self._offset += needed
+            lora_group_(x, chunk, self.tf32, workspace)

@@ -1,0 +1,1 @@
+"""Tests of the built-in rollout engine and its sampling."""

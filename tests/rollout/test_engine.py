@@ -1,0 +1,345 @@
+"""The rollout engine against transformers' `generate` and a full forward, on tiny models (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from slimrl.rollout import llama
+from slimrl.rollout.engine import RolloutEngine, supports
+from slimrl.rollout.sampling import SamplingParams
+from slimrl.testing import tiny_config, tiny_model, tiny_tokenizer
+from tests.tolerances import assert_close
+
+# three prompts of different lengths: the batch is left-padded
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def build(arch: str, seed: int = 0, **overrides):
+    """A tiny model of any supported architecture (llama and qwen2 from slimrl.testing, qwen3 and mistral here)."""
+    if arch in ("llama", "qwen2"):
+        return tiny_model(arch, seed=seed, **overrides).eval()
+    from transformers import MistralConfig, Qwen3Config
+
+    common = dict(tiny_config("llama").to_dict(), **overrides)
+    common = {k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                     "pad_token_id", "eos_token_id", "tie_word_embeddings")}  # fmt: skip
+    config = Qwen3Config(head_dim=16, **common) if arch == "qwen3" else MistralConfig(sliding_window=None, **common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 3
+    return model.eval()
+
+
+def with_lora(model, seed: int = 1):
+    """All-linear LoRA with non-zero B (init_lora_weights=False), so the adapter changes every projection."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        return get_peft_model(model, config).eval()
+
+
+def left_pad(prompts, pad=0):
+    length = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf_greedy(model, prompts, new_tokens, **kwargs):
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs
+        )
+    return out[:, ids.shape[1] :].tolist()
+
+
+def no_eos(model):
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# -- greedy parity with transformers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_batch_matches_generate_with_left_padding(arch):
+    model = no_eos(build(arch))
+    out = RolloutEngine(model).generate(PROMPTS, GREEDY, max_new_tokens=16)
+    assert out.completion_ids == hf_greedy(model, PROMPTS, 16, eos_token_id=None)
+    assert out.finish_reason == ["length"] * 3 and out.prompt_ids == PROMPTS
+
+
+def test_greedy_matches_generate_with_rope_scaling():
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    model = no_eos(build("llama", rope_parameters=rope))
+    out = RolloutEngine(model).generate(PROMPTS, GREEDY, max_new_tokens=12)
+    assert out.completion_ids == hf_greedy(model, PROMPTS, 12, eos_token_id=None)
+
+
+def test_greedy_with_lora_matches_generate_through_the_peft_model(arch):
+    model = with_lora(no_eos(build(arch)))
+    engine = RolloutEngine(model)
+    out = engine.generate(PROMPTS, GREEDY, max_new_tokens=16)
+    assert out.completion_ids == hf_greedy(model, PROMPTS, 16, eos_token_id=None)
+    with model.disable_adapter():  # TRL's reference model: the same engine sees the base weights
+        base = engine.generate(PROMPTS, GREEDY, max_new_tokens=16).completion_ids
+        assert base == hf_greedy(model, PROMPTS, 16, eos_token_id=None)
+    assert base != out.completion_ids, "the adapter should change the greedy output"
+
+
+def test_an_optimizer_step_on_the_adapter_reaches_the_next_rollout(arch):
+    model = with_lora(no_eos(build(arch)))
+    engine = RolloutEngine(model)
+    before = engine.generate(PROMPTS, GREEDY, max_new_tokens=12).completion_ids
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    ids_before = [id(p) for p in lora]
+    optimizer = torch.optim.SGD(lora, lr=20.0)
+    ids, mask = left_pad(PROMPTS)
+    model.train()
+    loss = -model(input_ids=ids, attention_mask=mask).logits[:, -1, 77].mean()  # push every prompt towards token 77
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    after = engine.generate(PROMPTS, GREEDY, max_new_tokens=12).completion_ids
+    assert after == hf_greedy(model, PROMPTS, 12, eos_token_id=None)
+    assert after != before
+    assert [id(p) for p in model.parameters() if p.requires_grad] == ids_before  # nothing replaced or copied
+
+
+def test_repetition_penalty_matches_generate():
+    model = no_eos(build("llama"))
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 9, 8, 8, 7, 7]]  # equal lengths: transformers would also penalise pad ids
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.8)
+    out = RolloutEngine(model).generate(prompts, params, max_new_tokens=20)
+    assert out.completion_ids == hf_greedy(model, prompts, 20, eos_token_id=None, repetition_penalty=1.8)
+
+
+def test_4bit_model_matches_generate(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from slimrl import FastLanguageModel
+
+    tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path / "tiny"), load_in_4bit=True)
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    model = no_eos(model.eval())
+    out = RolloutEngine(model).generate(PROMPTS, GREEDY, max_new_tokens=8)
+    assert out.completion_ids == hf_greedy(model, PROMPTS, 8, eos_token_id=None)
+
+
+# -- log-probs -------------------------------------------------------------------------------------------------------
+
+
+def full_forward_logprobs(model, prompts, completions, temperature, top_k=0):
+    """log_softmax of the (temperature-scaled, top-k-filtered) logits of each completion token, from one forward of
+    the whole sequence: what TRL recomputes for the policy."""
+    result = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        result.append(logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0])
+    return result
+
+
+@pytest.mark.parametrize("top_k", [0, 7])
+def test_returned_logprobs_equal_a_full_forward(arch, top_k):
+    model = with_lora(no_eos(build(arch)))
+    params = SamplingParams(temperature=0.7, top_k=top_k, seed=3)
+    out = RolloutEngine(model).generate(PROMPTS, params, max_new_tokens=10)
+    expected = full_forward_logprobs(model, PROMPTS, out.completion_ids, 0.7, top_k)
+    for r, (got, want) in enumerate(zip(out.logprobs, expected, strict=True)):
+        assert_close(torch.tensor(got), want, name=f"logprobs of sequence {r}")
+
+
+def test_sampling_through_the_engine_follows_the_model_distribution():
+    model = no_eos(build("llama"))
+    prompt, draws = [5, 6, 7, 8], 3000
+    params = SamplingParams(temperature=0.5, top_k=5, seed=0)
+    out = RolloutEngine(model, max_batch_size=draws).generate([prompt] * draws, params, max_new_tokens=1)
+    first = torch.tensor([c[0] for c in out.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.5
+    logits = logits.masked_fill(logits < logits.topk(5).values[-1], float("-inf"))
+    exact = logits.double().softmax(-1)
+    freq = torch.bincount(first, minlength=exact.numel()).double() / draws
+    assert freq[exact == 0].sum() == 0
+    assert 0.5 * (freq - exact).abs().sum() < 0.05  # sampling noise of the TV distance here is about 0.015
+
+
+def test_a_seed_makes_rollouts_reproducible():
+    model = no_eos(build("qwen2"))
+    engine = RolloutEngine(model)
+    params = SamplingParams(temperature=1.0, seed=11)
+    first = engine.generate(PROMPTS, params, max_new_tokens=10).completion_ids
+    assert engine.generate(PROMPTS, params, max_new_tokens=10).completion_ids == first
+    other = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=12), max_new_tokens=10).completion_ids
+    assert other != first
+
+
+# -- stopping --------------------------------------------------------------------------------------------------------
+
+
+def test_eos_ends_a_sequence_and_is_included():
+    model = no_eos(build("llama"))
+    free = hf_greedy(model, PROMPTS, 16, eos_token_id=None)
+    stop = free[0][5]  # a token the first sequence produces; the others may or may not
+    model.generation_config.eos_token_id = [stop, 250]  # several EOS ids, as in generation_config
+    out = RolloutEngine(model).generate(PROMPTS, GREEDY, max_new_tokens=16)
+    for row, completion in enumerate(free):
+        end = completion.index(stop) + 1 if stop in completion else 16
+        assert out.completion_ids[row] == completion[:end]
+        assert out.finish_reason[row] == ("stop" if stop in completion else "length")
+        assert len(out.logprobs[row]) == end
+    ignored = RolloutEngine(model).generate(PROMPTS, SamplingParams(temperature=0, ignore_eos=True), 16)
+    assert ignored.completion_ids == free
+
+
+def test_stop_token_ids_and_per_sequence_max_tokens():
+    model = no_eos(build("qwen2"))
+    free = hf_greedy(model, PROMPTS, 12, eos_token_id=None)
+    stop = free[1][2]
+    params = SamplingParams(temperature=0.0, stop_token_ids=[stop])
+    out = RolloutEngine(model).generate(PROMPTS, params, max_new_tokens=[4, 12, 1])
+    for row, limit in enumerate([4, 12, 1]):
+        completion = free[row][:limit]
+        end = completion.index(stop) + 1 if stop in completion else limit
+        assert out.completion_ids[row] == completion[:end]
+        assert out.finish_reason[row] == ("stop" if stop in completion else "length")
+
+
+def test_stop_strings_end_at_the_token_that_completes_them():
+    tokenizer = tiny_tokenizer()
+    model = no_eos(build("llama"))
+    free = hf_greedy(model, PROMPTS, 20, eos_token_id=None)
+    text = tokenizer.decode(free[2], skip_special_tokens=True)
+    # two characters from the middle of the third completion that are whole characters (random bytes >= 128 decode
+    # to U+FFFD), so it occurs in that completion and may or may not in the others
+    start = next(i for i in range(2, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    out = RolloutEngine(model, tokenizer=tokenizer).generate(PROMPTS, SamplingParams(temperature=0, stop=stop), 20)
+    for row, completion in enumerate(free):
+        # reference: the shortest prefix whose text contains the stop string (vLLM keeps that token's id)
+        ends = [n for n in range(1, 21) if stop in tokenizer.decode(completion[:n], skip_special_tokens=True)]
+        end = ends[0] if ends else 20
+        assert out.completion_ids[row] == completion[:end]
+        assert out.finish_reason[row] == ("stop" if ends else "length")
+    assert out.finish_reason[2] == "stop"
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        RolloutEngine(build("llama")).generate(PROMPTS, SamplingParams(stop="x"), 4)
+
+
+def test_prompts_and_lengths_are_validated():
+    engine = RolloutEngine(build("llama"), max_seq_len=16)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], GREEDY, 4)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[5, 9999]], GREEDY, 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([list(range(5, 21))], GREEDY, 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(PROMPTS, GREEDY)
+    # a completion that would pass max_seq_len is cut there, with finish_reason "length"
+    out = engine.generate([list(range(5, 15))], GREEDY, 100)
+    assert len(out.completion_ids[0]) == 6 and out.finish_reason == ["length"]
+
+
+def test_more_prompts_than_max_batch_size_run_in_waves():
+    model = no_eos(build("llama"))
+    prompts = PROMPTS * 3
+    engine = RolloutEngine(model, max_batch_size=4)
+    out = engine.generate(prompts, GREEDY, max_new_tokens=6)
+    assert out.stats["waves"] == 3
+    assert out.completion_ids == hf_greedy(model, prompts, 6, eos_token_id=None)
+
+
+def test_release_frees_the_cache_and_the_next_rollout_allocates_again():
+    model = no_eos(build("llama"))
+    engine = RolloutEngine(model)
+    first = engine.generate(PROMPTS, GREEDY, 6).completion_ids
+    assert engine._session is not None and engine._session.cache.nbytes > 0
+    engine.release()
+    assert engine._session is None
+    assert engine.generate(PROMPTS, GREEDY, 6).completion_ids == first
+
+
+# -- what the engine runs ----------------------------------------------------------------------------------------------
+
+
+def test_unsupported_architectures_say_why():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    supported, why = supports(model)
+    assert not supported and "gpt2" in why
+    with pytest.raises(ValueError, match="gpt2"):
+        RolloutEngine(model)
+    assert supports(with_lora(build("qwen2"))) == (True, "")
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_lora_fast_path_equals_calling_the_peft_module(base_dtype):
+    # peft keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype): the fast path must do the same math
+    model = with_lora(build("qwen2", dtype=base_dtype))
+    module = model.base_model.model.model.layers[0].self_attn.q_proj
+    spec = llama.linear_spec(module)
+    assert spec.module is None and len(spec.loras) == 1 and spec.loras[0][0].dtype == torch.float32
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(base_dtype)
+    with torch.no_grad():
+        assert torch.equal(llama.apply_linear(x, spec), module(x))
+        with model.disable_adapter():
+            assert llama.linear_spec(module).loras == ()
+            assert torch.equal(llama.apply_linear(x, llama.linear_spec(module)), module(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile need a CUDA device")
+def test_cuda_graph_decode_matches_generate_and_stays_live():
+    import os
+
+    model = with_lora(no_eos(build("qwen2"))).cuda()
+    # conftest runs Triton in its interpreter for CPU kernel tests; torch.compile's kernels need the real one
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    engine = RolloutEngine(model, compile=compiled)
+    assert engine.use_graphs
+    prompts_cuda = PROMPTS
+    out = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
+    ids, mask = left_pad(PROMPTS)
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+    assert out.completion_ids == ref[:, ids.shape[1] :].tolist()
+    graph = engine._session.graph
+    with torch.no_grad():  # an in-place edit, as an optimizer step makes: the captured graph must see it
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    again = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+    assert engine._session.graph is graph, "an in-place weight update must not need a new capture"
+    assert again.completion_ids == ref[:, ids.shape[1] :].tolist()
+    assert again.completion_ids != out.completion_ids
+
+
+def test_grouped_decode_matches_generate(arch):
+    # the launch-saving decode structure of CUDA (grouped projections, fused residual norms), here with its
+    # plain-PyTorch pieces
+    model = with_lora(no_eos(build(arch)))
+    out = RolloutEngine(model, grouped_decode=True).generate(PROMPTS, GREEDY, max_new_tokens=16)
+    assert out.completion_ids == hf_greedy(model, PROMPTS, 16, eos_token_id=None)

@@ -1,0 +1,122 @@
+"""The decode step's Triton kernels (grouped LoRA, decode attention) against their plain-PyTorch references, and
+the grouped forward's projection helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimrl.rollout import llama
+from tests.tolerances import assert_close
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA devices")
+
+
+def make_group(rows, features, rank, widths, out_dtype, adapter_dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, dtype, std=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(dtype)
+
+    x = rand(rows, features, dtype=out_dtype)
+    items = []
+    for i, width in enumerate(widths):
+        y = rand(rows, width, dtype=out_dtype)
+        lora_a = rand(rank, features, dtype=adapter_dtype, std=features**-0.5)
+        # LoRA-sized updates (|delta| well below |y|): with deltas of ~6, one bf16 ulp of the delta (0.03) or TF32
+        # noise would exceed the bf16 tolerance on outputs that cancel to ~0.2, whatever the kernel
+        lora_b = rand(width, rank, dtype=adapter_dtype, std=0.05)
+        items.append((y, (lora_a, lora_b, 0.5 + i)))
+    return x, items
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize(
+    "out_dtype, adapter_dtype, tf32, kind",
+    [
+        (torch.float32, torch.float32, False, "fp32_sum"),  # an fp32 model: fp32 math, only summation order differs
+        (torch.bfloat16, torch.float32, False, "bf16"),  # peft's default: fp32 adapters on a bf16 model
+        (torch.bfloat16, torch.float32, True, "bf16"),
+        (torch.bfloat16, torch.bfloat16, False, "bf16"),
+    ],
+)
+def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf32, kind):
+    pytest.importorskip("triton")
+    from slimrl.rollout.lora_kernels import can_fuse, lora_group_
+
+    for features, rank, widths in [(1536, 64, [1536, 256, 256]), (200, 8, [8960, 8960]), (8960, 16, [1536])]:
+        x, items = make_group(rows, features, rank, widths, out_dtype, adapter_dtype)
+        expected = [(y.clone(), lora) for y, lora in items]
+        llama.add_lora_(x, expected)
+        assert can_fuse(x, items)
+        lora_group_(x, items, tf32=tf32)
+        for i, ((got, _), (want, _)) in enumerate(zip(items, expected, strict=True)):
+            assert_close(got.float(), want.float(), kind, name=f"output {i} ({features}x{rank}, {rows} rows)")
+
+
+@requires_cuda
+def test_grouped_lora_shares_one_workspace_and_falls_back_where_it_cannot_fuse():
+    pytest.importorskip("triton")
+    from slimrl.rollout.lora_kernels import GroupedLoRA, can_fuse
+
+    x, items = make_group(4, 64, 8, [32, 32, 32, 32], torch.float32, torch.float32)  # four: two launches
+    lora_a, lora_b, _ = items[0][1]
+    odd = [(items[0][0].clone(), (lora_a, lora_b.t().contiguous().t(), 1.0))]  # B not contiguous
+    assert not can_fuse(x, odd)
+    expected = [(y.clone(), lora) for y, lora in items + odd]
+    llama.add_lora_(x, expected)
+    add_lora = GroupedLoRA(tf32=False)
+    add_lora.begin(rows=4, calls=2, rank=8, device=x.device)
+    add_lora(x, items + odd)
+    for (got, _), (want, _) in zip(items + odd, expected, strict=True):
+        assert_close(got, want, "fp32_sum", name="output")
+
+
+def sdpa_reference(q, keys, values, starts, end, scale):
+    """Plain attention of each row's query heads over its columns [start, end]."""
+    batch, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    columns = torch.arange(keys.shape[2], device=q.device)
+    live = (columns[None, :] >= starts[:, None]) & (columns[None, :] <= end)
+    mask = torch.zeros(live.shape, dtype=q.dtype, device=q.device).masked_fill_(~live, float("-inf"))
+    k = keys.repeat_interleave(group, dim=1)
+    v = values.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale)
+    return out[:, :, 0]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "fp32_sum"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 2, 128), (4, 4, 64), (4, 2, 16)])
+def test_decode_attention_kernel_matches_masked_sdpa(dtype, kind, heads, kv_heads, dim):
+    pytest.importorskip("triton")
+    from slimrl.rollout.attention_kernel import can_run, decode_attention
+
+    assert can_run(dim, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, length = 9, 300
+    q = torch.randn(batch, heads, dim, generator=g, device="cuda").to(dtype)
+    keys = torch.randn(batch, kv_heads, length, dim, generator=g, device="cuda").to(dtype)
+    values = torch.randn(batch, kv_heads, length, dim, generator=g, device="cuda").to(dtype)
+    starts = torch.tensor([0, 1, 63, 64, 65, 100, 200, 250, 250], device="cuda")
+    end = torch.tensor([250], device="cuda")
+    got = decode_attention(q, keys, values, starts, end, dim**-0.5)
+    assert_close(got.float(), sdpa_reference(q, keys, values, starts, 250, dim**-0.5).float(), kind, name="attention")
+
+
+def test_project_applies_each_spec_as_apply_linear():
+    from peft import LoraConfig, get_peft_model
+
+    from slimrl.testing import tiny_model
+
+    config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(tiny_model("qwen2"), config).eval()
+    attn = model.base_model.model.model.layers[0].self_attn
+    specs = [llama.linear_spec(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped = llama.project(x, specs, llama.add_lora_)
+        for got, spec in zip(grouped, specs, strict=True):
+            assert torch.equal(got, llama.apply_linear(x, spec))
