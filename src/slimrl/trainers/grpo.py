@@ -163,6 +163,10 @@ class GRPOConfig(trl.GRPOConfig):
         )
 
 
+def _is_multimodal(values) -> bool:
+    return any(values.get(key) is not None for key in _MULTIMODAL_KEYS)
+
+
 def _bf16_supported(use_cpu: bool) -> bool:
     return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
@@ -278,7 +282,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _one_piece_reason(self, inputs) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
-        if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
+        if _is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
         if self.aux_loss_enabled:
             return "the MoE load-balancing loss depends on all tokens of the micro-batch at once"
@@ -315,7 +319,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         settings = self._loss_settings()
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        prompt_mask = inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         width = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [N, T]
@@ -354,15 +358,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         def chunk_loss(chunk: Chunk) -> torch.Tensor:
             nonlocal policy_total, entropy_stats
-            c_completion = take(completion_ids, chunk, width)
             c_mask = take(mask, chunk, width)  # [b, t]
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model,
-                torch.cat([take(prompt_ids, chunk, -1), c_completion], dim=1),
-                torch.cat([take(prompt_mask, chunk, -1), take(completion_mask, chunk, width)], dim=1),
-                chunk.width,
-                compute_entropy=True,
-            )  # [b, t] each
+            logps, entropies = self._chunk_logps_and_entropies(model, inputs, chunk)  # [b, t] each
             c_entropy_mask = take(entropy_mask, chunk, width)
             if self.top_entropy_quantile < 1.0 and c_entropy_mask is None:  # one chunk: TRL's own rule, in place
                 c_entropy_mask = self.get_high_entropy_mask(entropies, c_mask, 1 - self.top_entropy_quantile)
@@ -416,8 +413,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                            **kwargs):  # fmt: skip
         # Gradient-free scoring passes (old and reference log-probs) run in the training step's chunks, so they never
         # hold more activations than a training chunk does. Rows are scored independently: same values.
-        multimodal = any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS)
-        if not torch.is_grad_enabled() and not multimodal and input_ids.size(0) > 1:
+        if not torch.is_grad_enabled() and not _is_multimodal(kwargs) and input_ids.size(0) > 1:
             chunks = self._num_chunks_for(attention_mask.sum(1).tolist(), input_ids.device)
             batch_size = min(batch_size or input_ids.size(0), math.ceil(input_ids.size(0) / chunks))
         return super()._get_per_token_logps_and_entropies(
@@ -427,18 +423,22 @@ class GRPOTrainer(trl.GRPOTrainer):
     @torch.no_grad()
     def _top_entropy_mask(self, model, inputs, chunks: list[Chunk], mask: torch.Tensor) -> torch.Tensor:
         """TRL's top-entropy token mask needs a quantile over the whole micro-batch: a gradient-free pass gets it."""
-        width = inputs["completion_ids"].size(1)
         entropies = torch.zeros_like(mask, dtype=torch.float32)  # [N, T]
         for chunk in chunks:
-            _, chunk_entropies, _ = self._get_per_token_logps_and_entropies(
-                model,
-                torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1),
-                torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1),
-                chunk.width,
-                compute_entropy=True,
-            )
-            entropies[chunk.rows, : chunk.width] = chunk_entropies.float()
+            entropies[chunk.rows, : chunk.width] = self._chunk_logps_and_entropies(model, inputs, chunk)[1].float()
         return self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+
+    def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width)."""
+        width = inputs["completion_ids"].size(1)
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1),
+            torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1),
+            chunk.width,
+            compute_entropy=True,
+        )
+        return logps, entropies
 
     def _add_chunk_metrics(self, sums: _MetricSums, terms, entropies, advantages, mask) -> None:
         if terms.per_token_kl is not None:
