@@ -1,4 +1,4 @@
-"""The `slimrl` command: `slimrl demo` runs the main job (see README)."""
+"""The `slimrl` command. `slimrl demo` runs the main job (see README); the demo's logic lives in slimrl.demo."""
 
 from __future__ import annotations
 
@@ -7,38 +7,65 @@ import sys
 
 import slimrl
 
+EPILOG = """examples:
+  slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 10 minutes on 2 CPU cores)
+  slimrl demo --steps 100 --device cuda --output-dir runs/demo
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from slimrl.demo import DemoSettings
+    from slimrl.data import DIFFICULTIES
+    from slimrl.demo import DEVICES, DemoSettings
 
     defaults = DemoSettings()
-    description = "Memory-lean, fast RL fine-tuning as a drop-in for TRL."
-    parser = argparse.ArgumentParser(prog="slimrl", description=description)
+    parser = argparse.ArgumentParser(
+        prog="slimrl",
+        description="Memory-lean, fast RL fine-tuning of language models as a drop-in for TRL.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"slimrl {slimrl.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="GRPO teaches SmolLM2-135M-Instruct arithmetic (CPU or GPU)")
-    demo.add_argument("--model", default=defaults.model, help="model: the embedded default, a directory or a .gguf")
-    demo.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="GRPO teaches SmolLM2-135M-Instruct arithmetic: accuracy before/after, adapter, metrics, reward plot",
+        description="GRPO with slimrl's trainer teaches a small instruct model to answer arithmetic questions. Prints "
+        "held-out accuracy before and after training and a line of metrics per step; writes the LoRA adapter, "
+        "metrics.json and reward.png to --output-dir.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--model", default=defaults.model,
+                      help="the embedded model's name, a model directory or a .gguf file")  # fmt: skip
+    demo.add_argument("--steps", type=int, default=defaults.steps, help="GRPO optimizer steps")
     demo.add_argument("--output-dir", default=defaults.output_dir, help="where the adapter, metrics and plot go")
     demo.add_argument("--num-generations", type=int, default=defaults.num_generations, help="completions per prompt")
-    demo.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
-    demo.add_argument("--max-completion-length", type=int, default=defaults.max_completion_length)
-    demo.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    demo.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
-    demo.add_argument("--seed", type=int, default=defaults.seed)
-    demo.add_argument("--eval-size", type=int, default=defaults.eval_size, help="held-out problems to score")
-    demo.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
+    demo.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step, help="problems per step")
+    demo.add_argument("--max-completion-length", type=int, default=defaults.max_completion_length,
+                      help="most tokens per completion (the answer is one short line)")  # fmt: skip
+    demo.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="LoRA learning rate")
+    demo.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="LoRA rank (alpha is twice it)")
+    demo.add_argument("--seed", type=int, default=defaults.seed, help="seed for problems, LoRA init and sampling")
+    demo.add_argument("--eval-size", type=int, default=defaults.eval_size, help="held-out problems scored greedily")
+    demo.add_argument("--difficulty", default=defaults.difficulty, choices=list(DIFFICULTIES),
+                      help="operands up to 9, 20 or 99")  # fmt: skip
+    demo.add_argument("--device", default=defaults.device, choices=DEVICES, help="auto: CUDA when there is one")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
     if args.command == "demo":
         from slimrl.demo import DemoSettings, run_demo
 
         settings = DemoSettings(**{k: v for k, v in vars(args).items() if k != "command"})
-        if settings.steps < 1 or settings.num_generations < 2 or settings.eval_size < 1:
-            print("slimrl demo: --steps and --eval-size must be >= 1 and --num-generations >= 2", file=sys.stderr)
+        try:
+            settings.validate()
+        except ValueError as error:
+            print(f"slimrl demo: {error}", file=sys.stderr)
             return 2
         run_demo(settings)
     return 0

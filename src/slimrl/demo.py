@@ -16,25 +16,50 @@ from pathlib import Path
 
 import torch
 
-from slimrl.data import arithmetic_dataset
-from slimrl.rewards import completion_text, exact_answer_reward, extract_answer, format_reward, is_bare_answer
+from slimrl.data import DIFFICULTIES, arithmetic_dataset, split_size
+from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, is_in_format, normalise_number
 
 TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own tests
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class DemoSettings:
+    """The demo's settings; the defaults finish in about 10 minutes on 2 CPU cores. `slimrl demo --help` says what
+    each one means."""
+
     model: str = "SmolLM2-135M-Instruct"
     steps: int = 50
     output_dir: str = "outputs/demo"
     num_generations: int = 8
     prompts_per_step: int = 2
     max_completion_length: int = 32
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-4  # 2e-4 collapses the samples of a prompt to one reply within ~15 steps
     lora_rank: int = 16
     seed: int = 0
-    eval_size: int = 48
+    eval_size: int = 100
+    difficulty: str = "medium"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+
+    def validate(self) -> None:
+        """A ValueError naming the first bad setting and what to use instead."""
+        positive = ("steps", "prompts_per_step", "max_completion_length", "lora_rank", "eval_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if self.num_generations < 2:
+            raise ValueError(f"--num-generations must be at least 2 (GRPO compares completions of a prompt with each "
+                             f"other), got {self.num_generations}.")  # fmt: skip
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}.")
+        if self.difficulty not in DIFFICULTIES:
+            raise ValueError(f"--difficulty must be one of {', '.join(DIFFICULTIES)}, got {self.difficulty!r}.")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
+        held_out = split_size(self.difficulty, "eval")
+        if self.eval_size > held_out:
+            raise ValueError(f"--eval-size {self.eval_size} is more than the {held_out} held-out {self.difficulty} "
+                             f"problems; use at most {held_out} or --difficulty hard.")  # fmt: skip
 
 
 def resolve_device(requested: str) -> str:
@@ -42,8 +67,8 @@ def resolve_device(requested: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu.")
-    if requested not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}.")
     return requested
 
 
@@ -53,7 +78,7 @@ def load_model(settings: DemoSettings, device: str):
     if settings.model == TINY_MODEL:
         from slimrl.testing import tiny_model, tiny_tokenizer
 
-        model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+        model, tokenizer = tiny_model("llama").to(device), tiny_tokenizer()
     else:
         dtype = None if device == "cuda" else torch.float32
         model, tokenizer = FastLanguageModel.from_pretrained(
@@ -72,12 +97,12 @@ def load_model(settings: DemoSettings, device: str):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Greedy answers to held-out problems: accuracy (the reply's final answer is correct) and the share of replies
-    that are a bare correct number, as the prompt asks."""
+    """Greedy replies to held-out problems: `accuracy` (the reply's final answer is correct) and `in_format` (the
+    reply is one short line ending with a number, as the prompt asks)."""
     from slimrl import FastLanguageModel
 
     FastLanguageModel.for_inference(model)
-    correct_count = bare_count = 0
+    correct_count = format_count = 0
     device = next(model.parameters()).device
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
@@ -86,13 +111,27 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int = 1
         outputs = model.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
-        completions = tokenizer.batch_decode(outputs[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        for completion, answer in zip(completions, rows["answer"], strict=True):
-            correct = extract_answer(completion) == answer
-            correct_count += correct
-            bare_count += correct and is_bare_answer(completion)
+        replies = tokenizer.batch_decode(outputs[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        for reply, answer in zip(replies, rows["answer"], strict=True):
+            correct_count += extract_answer(reply) == normalise_number(answer)
+            format_count += is_in_format(reply)
     FastLanguageModel.for_training(model)
-    return {"accuracy": correct_count / len(dataset), "bare_correct": bare_count / len(dataset)}
+    return {"accuracy": correct_count / len(dataset), "in_format": format_count / len(dataset)}
+
+
+def step_line(step: int, total_steps: int, logs: dict) -> str:
+    """One line of a step's metrics from the trainer's logs: total reward, each reward function's mean, the share of
+    correct answers in the batch, completion length (tokens), loss and step time."""
+    nan = float("nan")
+    parts = [f"step {step:3d}/{total_steps}", f"reward {logs.get('reward', nan):.3f}"]
+    for key, value in logs.items():
+        if key.startswith("rewards/") and key.endswith("/mean"):
+            parts.append(f"{key.removeprefix('rewards/').removesuffix('/mean').removesuffix('_reward')} {value:.3f}")
+    parts.append(f"batch acc {logs.get('rewards/exact_answer_reward/mean', nan):4.0%}")
+    parts.append(f"len {logs.get('completions/mean_length', nan):4.1f}")
+    parts.append(f"loss {logs.get('loss', nan):+.4f}")
+    parts.append(f"{logs.get('step_time', nan):.1f}s")
+    return "  ".join(parts)
 
 
 def _progress_callback(total_steps: int, history: list[dict]):
@@ -100,23 +139,17 @@ def _progress_callback(total_steps: int, history: list[dict]):
     from transformers import TrainerCallback
 
     class DemoProgress(TrainerCallback):
-        """A progress bar and one line of metrics per optimizer step."""
+        """A progress bar and one line of metrics per optimizer step; keeps each step's numeric logs in `history`."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", leave=False)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:
-                return
+                return  # the end-of-training summary, not a step
             entry = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
             history.append(entry)
-            self.bar.write(
-                f"step {state.global_step:3d}  reward {logs['reward']:.3f}  "
-                f"correct {logs.get('rewards/exact_answer_reward/mean', float('nan')):.3f}  "
-                f"format {logs.get('rewards/format_reward/mean', float('nan')):.3f}  "
-                f"len {logs.get('completions/mean_length', float('nan')):.1f}  "
-                f"loss {logs.get('loss', float('nan')):+.4f}  step_time {logs.get('step_time', float('nan')):.1f}s"
-            )
+            self.bar.write(step_line(state.global_step, total_steps, logs))
 
         def on_step_end(self, args, state, control, **kwargs):
             self.bar.update(1)
@@ -127,37 +160,51 @@ def _progress_callback(total_steps: int, history: list[dict]):
     return DemoProgress()
 
 
+def set_cpu_threads() -> int:
+    """All cores for torch's CPU kernels unless OMP_NUM_THREADS says otherwise (the user knows the machine is
+    shared). Returns the thread count."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return torch.get_num_threads()
+
+
 def run_demo(settings: DemoSettings) -> dict:
+    """Evaluate, train with GRPO, evaluate again; save the adapter, metrics JSON and plot. Returns the metrics."""
     from slimrl import FastLanguageModel, GRPOConfig, GRPOTrainer
 
+    settings.validate()
     started = time.perf_counter()
     device = resolve_device(settings.device)
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if device == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
+    threads = set_cpu_threads() if device == "cpu" else None
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    print(f"slimrl demo: GRPO on {settings.model} ({device}), {settings.steps} steps -> {out}")
+    where = f"{device}, {threads} threads" if threads else device
+    print(f"slimrl demo: GRPO on {settings.model} ({where}), {settings.steps} steps -> {out}")
 
     model, tokenizer = load_model(settings, device)
-    train_set = arithmetic_dataset(settings.steps * settings.prompts_per_step, seed=settings.seed, split="train")
-    eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, split="eval")
+    # the trainer cycles through the train split when the run asks for more problems than it holds
+    train_size = min(settings.steps * settings.prompts_per_step, split_size(settings.difficulty, "train"))
+    train_set = arithmetic_dataset(train_size, seed=settings.seed, difficulty=settings.difficulty, split="train")
+    eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, difficulty=settings.difficulty, split="eval")
+    print(f"example prompt: {eval_set[0]['prompt'][-1]['content']!r} (answer {eval_set[0]['answer']})")
     before = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy before: {before['accuracy']:.1%} (bare correct number: {before['bare_correct']:.1%})")
+    print(f"held-out accuracy before: {before['accuracy']:.1%} (in the requested format: {before['in_format']:.1%})")
 
     history: list[dict] = []
     config = GRPOConfig(
         output_dir=str(out / "trainer"),
         max_steps=settings.steps,
         per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
+        gradient_accumulation_steps=1,
         num_generations=settings.num_generations,
         max_completion_length=settings.max_completion_length,
         learning_rate=settings.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        beta=0.0,
+        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
         loss_type="dapo",
         temperature=1.0,
         logging_steps=1,
@@ -184,13 +231,16 @@ def run_demo(settings: DemoSettings) -> dict:
     train_started = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - train_started
+    if not any((out / "trainer").iterdir()):
+        (out / "trainer").rmdir()  # TRL makes its output_dir; with save_strategy="no" it stays empty
 
     after = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy after:  {after['accuracy']:.1%} (bare correct number: {after['bare_correct']:.1%})")
+    print(f"held-out accuracy after:  {after['accuracy']:.1%} (in the requested format: {after['in_format']:.1%})")
     adapter_dir = FastLanguageModel.save_lora(model, tokenizer, out / "adapter", overwrite=True)
     summary = {
         "settings": asdict(settings),
         "device": device,
+        "torch_threads": threads,
         "accuracy_before": before,
         "accuracy_after": after,
         "history": history,
@@ -200,13 +250,29 @@ def run_demo(settings: DemoSettings) -> dict:
     metrics_path = out / "metrics.json"
     metrics_path.write_text(json.dumps(summary, indent=2))
     plot_path = plot_history(summary, out / "reward.png")
+    first, last = _mean_reward(history[:5]), _mean_reward(history[-5:])
+    print(f"mean reward, first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
     print(f"adapter: {adapter_dir}\nmetrics: {metrics_path}\nplot:    {plot_path}")
     print(f"total time {summary['total_seconds']:.0f}s (training {summary['train_seconds']:.0f}s)")
     return summary
 
 
-def plot_history(summary: dict, path: Path) -> Path:
-    """Reward (and its correct/format parts) per step, with the held-out accuracy before and after."""
+def _mean_reward(entries: list[dict]) -> float:
+    return sum(e["reward"] for e in entries) / len(entries) if entries else float("nan")
+
+
+PLOTTED = (("reward", "total reward"), ("rewards/exact_answer_reward/mean", "correct answer (batch accuracy)"),
+           ("rewards/format_reward/mean", "requested format"))  # fmt: skip
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to `window - 1` before it (a step's reward averages only a few prompts)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
+    """Reward and its correct/format parts per step (faint) with their moving average over `window` steps (solid),
+    and the held-out accuracy before and after training as stars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,22 +280,25 @@ def plot_history(summary: dict, path: Path) -> Path:
 
     history = summary["history"]
     steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("reward", "total reward"), ("rewards/exact_answer_reward/mean", "correct answer"),
-                       ("rewards/format_reward/mean", "answer format")):  # fmt: skip
-        ax.plot(steps, [h.get(key, float("nan")) for h in history], marker=".", label=label)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (key, label), color in zip(PLOTTED, ("tab:blue", "tab:green", "tab:orange"), strict=True):
+        values = [h.get(key, float("nan")) for h in history]
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+        ax.plot(steps, moving_average(values, window), color=color, linewidth=2, label=f"{label}, {window}-step mean")
+    before, after = summary["accuracy_before"]["accuracy"], summary["accuracy_after"]["accuracy"]
     last = steps[-1] if steps else 1
-    ax.scatter([0, last], [summary["accuracy_before"]["accuracy"], summary["accuracy_after"]["accuracy"]],
-               marker="*", s=160, color="black", zorder=5, label="held-out accuracy (before, after)")  # fmt: skip
-    ax.set_xlabel("step")
+    ax.scatter([0, last], [before, after], marker="*", s=180, color="black", zorder=5,
+               label=f"held-out accuracy: {before:.0%} before, {after:.0%} after")  # fmt: skip
+    ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward / accuracy")
-    ax.set_title(f"slimrl GRPO on {summary['settings']['model']} ({summary['device']})")
+    minutes = summary.get("total_seconds", 0) / 60
+    ax.set_title(f"slimrl demo: GRPO on {summary['settings']['model']} ({summary['device']}, {minutes:.1f} min)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-__all__ = ["DemoSettings", "completion_text", "run_demo"]
+__all__ = ["DemoSettings", "evaluate", "plot_history", "run_demo", "step_line"]

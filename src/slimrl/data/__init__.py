@@ -1,5 +1,5 @@
 """Built-in datasets for the demo and tests."""
 
-from slimrl.data.arithmetic import INSTRUCTION, arithmetic_dataset, arithmetic_rows
+from slimrl.data.arithmetic import DIFFICULTIES, INSTRUCTION, arithmetic_dataset, arithmetic_rows, split_size
 
-__all__ = ["INSTRUCTION", "arithmetic_dataset", "arithmetic_rows"]
+__all__ = ["DIFFICULTIES", "INSTRUCTION", "arithmetic_dataset", "arithmetic_rows", "split_size"]

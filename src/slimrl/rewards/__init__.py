@@ -5,8 +5,8 @@ from slimrl.rewards.answers import (
     exact_answer_reward,
     extract_answer,
     format_reward,
-    is_bare_answer,
-    last_integer,
+    is_in_format,
+    normalise_number,
 )
 from slimrl.rewards.length import length_penalty
 
@@ -15,7 +15,7 @@ __all__ = [
     "exact_answer_reward",
     "extract_answer",
     "format_reward",
-    "is_bare_answer",
-    "last_integer",
+    "is_in_format",
     "length_penalty",
+    "normalise_number",
 ]

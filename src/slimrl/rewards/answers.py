@@ -1,68 +1,72 @@
 """Rewards for problems with one exact numeric answer.
 
-The final answer of a completion is the number after its last 'Answer:' when it has one, else its last number.
+The final answer of a completion is the number after its last 'Answer:' when it has one, else its last number. The
+requested format is one short line that ends with the answer ('7 + 9 = 16', '16', 'Answer: 16.').
 """
 
 from __future__ import annotations
 
 import re
 
-ANSWER_PATTERN = re.compile(r"Answer:\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
-BARE_ANSWER_PATTERN = re.compile(r"^\s*(?:Answer:\s*)?-?\d+(?:\.\d+)?\s*\.?\s*$", re.IGNORECASE)
-INTEGER_PATTERN = re.compile(r"-?\d+")
-NUMBER_PATTERN = re.compile(r"-?\d+(?:\.\d+)?")
-SHORT_ANSWER_CHARS = 24
+# a number: optional sign, digits (thousands may be grouped with commas), optional decimals
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+ANSWER_PATTERN = re.compile(rf"Answer:\s*({NUMBER})", re.IGNORECASE)
+NUMBER_PATTERN = re.compile(NUMBER)
+ONE_LINE_ENDING_IN_NUMBER = re.compile(rf"[^\n]*?(?<![\d.]){NUMBER} *\.?")
+# longer than this is no longer a short line ('12 + 19 = 31' is 12 characters, a sentence around it some 40)
+MAX_FORMAT_CHARS = 48
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: a string, or the content of the last message of a conversational completion."""
+    """The text of a completion: a string, or the content of the last message of a conversational completion (its
+    text parts joined, when the content is a list of typed parts)."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content", "")
-        return content if isinstance(content, str) else str(content)
+        content = completion[-1].get("content")
+        if isinstance(content, list):
+            return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        return "" if content is None else str(content)
     return "" if completion is None else str(completion)
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer, normalised ('7.0' -> '7'): the number after the last 'Answer:', else the last number."""
+    """The final answer, normalised ('16.0' -> '16', '1,000' -> '1000'): the number after the last 'Answer:', else
+    the last number; None when there is no number."""
+    if not isinstance(text, str):
+        return None
     matches = ANSWER_PATTERN.findall(text) or NUMBER_PATTERN.findall(text)
-    return _normalise(matches[-1]) if matches else None
+    return normalise_number(matches[-1]) if matches else None
 
 
-def last_integer(text: str) -> str | None:
-    """The last integer anywhere in the text (a lenient reading of an unformatted answer)."""
-    matches = INTEGER_PATTERN.findall(text)
-    return matches[-1] if matches else None
+def normalise_number(number: str) -> str:
+    """One spelling per value, by string rules alone (int() refuses numbers of thousands of digits): no grouping
+    commas, no leading zeros, no trailing decimal zeros, no minus on zero. Text that is not a number comes back
+    stripped."""
+    text = str(number).strip().replace(",", "")
+    if not NUMBER_PATTERN.fullmatch(text):
+        return text
+    sign = "-" if text.startswith("-") else ""
+    whole, _, fraction = text.lstrip("-").partition(".")
+    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
+    value = f"{whole}.{fraction}" if fraction else whole
+    return "0" if value == "0" else sign + value
 
 
-def _normalise(number: str) -> str:
-    value = float(number)
-    return str(int(value)) if value.is_integer() else str(value)
+def is_in_format(text: str) -> bool:
+    """Whether a reply is one short line that ends with a number (a trailing full stop allowed)."""
+    text = text.strip() if isinstance(text, str) else ""
+    return len(text) <= MAX_FORMAT_CHARS and ONE_LINE_ENDING_IN_NUMBER.fullmatch(text) is not None
 
 
 def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's final answer equals the dataset's `answer` column, else 0.0."""
     return [
-        1.0 if extract_answer(completion_text(c)) == _normalise(str(a)) else 0.0
+        1.0 if extract_answer(completion_text(c)) == normalise_number(a) else 0.0
         for c, a in zip(completions, answer, strict=True)
     ]
 
 
 def format_reward(completions, **kwargs) -> list[float]:
-    """1.0 for a bare answer ('16', '16.', 'Answer: 16'), 0.5 for one short line holding a number
-    ('7 + 9 = 16.'), else 0.0."""
-    rewards = []
-    for completion in completions:
-        text = completion_text(completion).strip()
-        if BARE_ANSWER_PATTERN.match(text):
-            rewards.append(1.0)
-        elif "\n" not in text and len(text) <= SHORT_ANSWER_CHARS and NUMBER_PATTERN.search(text):
-            rewards.append(0.5)
-        else:
-            rewards.append(0.0)
-    return rewards
-
-
-def is_bare_answer(text: str) -> bool:
-    return bool(BARE_ANSWER_PATTERN.match(text.strip()))
+    """1.0 for one short line that ends with a number ('7 + 9 = 16', '16.', 'Answer: 16'), else 0.0."""
+    return [1.0 if is_in_format(completion_text(c)) else 0.0 for c in completions]

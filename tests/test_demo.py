@@ -1,0 +1,77 @@
+"""The demo's parts: settings checks, greedy evaluation, the per-step line, the plot."""
+
+import pytest
+import torch
+
+from slimrl.data import arithmetic_dataset
+from slimrl.demo import DemoSettings, evaluate, moving_average, plot_history, resolve_device, set_cpu_threads, step_line
+
+
+def test_default_settings_are_valid_and_bad_ones_name_the_flag():
+    DemoSettings().validate()
+    with pytest.raises(ValueError, match="--max-completion-length must be at least 1"):
+        DemoSettings(max_completion_length=0).validate()
+    with pytest.raises(ValueError, match="--difficulty must be one of easy, medium, hard"):
+        DemoSettings(difficulty="extreme").validate()
+    with pytest.raises(ValueError, match="--device must be one of auto, cpu, cuda"):
+        DemoSettings(device="tpu").validate()
+
+
+def test_device_auto_is_cuda_only_when_there_is_one():
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use --device cpu"):
+            resolve_device("cuda")
+
+
+def test_cpu_threads_follow_omp_num_threads_when_it_is_set(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        torch.set_num_threads(1)
+        assert set_cpu_threads() == 1  # left alone
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_cpu_threads() >= 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_step_line_shows_reward_each_reward_function_batch_accuracy_length_loss_and_time():
+    logs = {
+        "reward": 1.25,
+        "rewards/exact_answer_reward/mean": 0.75,
+        "rewards/format_reward/mean": 0.5,
+        "rewards/format_reward/std": 0.1,
+        "completions/mean_length": 9.6,
+        "loss": 0.0123,
+        "step_time": 5.06,
+    }
+    line = step_line(12, 50, logs)
+    assert line == (
+        "step  12/50  reward 1.250  exact_answer 0.750  format 0.500  batch acc  75%  len  9.6  loss +0.0123  5.1s"
+    )
+    assert "nan" in step_line(1, 1, {"reward": 0.0})  # missing metrics print as nan, not a KeyError
+
+
+def test_moving_average_averages_only_the_steps_so_far():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([], window=5) == []
+
+
+def test_plot_history_writes_a_png(tmp_path):
+    history = [{"step": s, "reward": s / 10, "rewards/exact_answer_reward/mean": s / 20} for s in range(1, 8)]
+    summary = {"history": history, "accuracy_before": {"accuracy": 0.4}, "accuracy_after": {"accuracy": 0.6},
+               "settings": {"model": "tiny"}, "device": "cpu", "total_seconds": 90}  # fmt: skip
+    path = plot_history(summary, tmp_path / "reward.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_scores_greedy_replies_and_leaves_the_model_in_training_mode(tokenizer):
+    from slimrl import FastLanguageModel
+    from slimrl.testing import tiny_model
+
+    model = FastLanguageModel.get_peft_model(tiny_model("llama"), r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    scores = evaluate(model, tokenizer, arithmetic_dataset(5, seed=0, split="eval"), max_new_tokens=4, batch_size=2)
+    assert set(scores) == {"accuracy", "in_format"} and all(0.0 <= v <= 1.0 for v in scores.values())
+    assert model.training
