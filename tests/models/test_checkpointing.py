@@ -71,6 +71,10 @@ def test_survives_a_later_gradient_checkpointing_enable_and_can_be_undone():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as HF Trainer does
     layers = model.get_base_model().model.layers
     assert all(layer._gradient_checkpointing_func is checkpointing.offloaded_checkpoint for layer in layers)
+    base = model.get_base_model()
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x: Trainer's entry point, new keywords
+        base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=1, offload=False)
+        assert all(layer._gradient_checkpointing_func is checkpointing.offloaded_checkpoint for layer in layers)
     assert is_offloaded_checkpointing(model)
     disable_offloaded_checkpointing(model)
     assert not is_offloaded_checkpointing(model)

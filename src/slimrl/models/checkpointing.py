@@ -290,8 +290,9 @@ def enable_offloaded_checkpointing(model, mlp_tile_tokens: int = DEFAULT_MLP_TIL
     if not getattr(base, _MARK, False):
         original_enable = base.gradient_checkpointing_enable
 
-        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-            original_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+            # newer transformers route `activation_checkpointing_enable(every_n_layers=..., offload=...)` here
+            original_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
             if getattr(self, _MARK, False):
                 for module in self.modules():
                     if hasattr(module, "_gradient_checkpointing_func"):

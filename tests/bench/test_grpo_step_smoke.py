@@ -1,0 +1,87 @@
+"""bench/grpo_step.py (W3) on a tiny model on the CPU: both trainers run, each step is split into phases that add up
+to the step, a side that raises is recorded while the other still runs, engine rollouts are recorded as such, and the
+offline tokenizer decodes every id of W1's vocabulary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "grpo_step.py"
+
+
+@pytest.fixture(scope="module")
+def grpo_step():
+    spec = importlib.util.spec_from_file_location("bench_grpo_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
+    out = tmp_path / "w3.json"
+    returned = grpo_step.main([str(out), "--tiny", "--steps", "2", "--trl-steps", "2"])
+    report = json.loads(out.read_text())
+    assert report["problems"] == [] and returned["problems"] == []
+    assert report["workload"] == "W3" and "--tiny" in report["command"]
+    assert set(report["versions"]) >= {"torch", "transformers", "trl", "peft"}
+    assert report["settings"]["prompt_tokens_min_max"] == [128, 128]  # every prompt padded to the asked length
+    for kind in ("slimrl", "trl"):
+        side = report["sides"][kind]
+        assert side["status"] == "ok", side.get("error")
+        assert side["steps_requested"] == side["steps_run"] == len(side["steps"]) == 2
+        assert side["generation_backend"] == "transformers"  # no CUDA: slimrl's engine is not chosen
+        for step in side["steps"]:
+            phases = [step["generation_s"], step["reward_s"], step["training_s"]]
+            assert all(seconds > 0 for seconds in phases), (kind, step)
+            assert sum(phases) <= step["step_s"] + 1e-3, (kind, step)  # each value is rounded to 1e-4
+            assert math.isfinite(step["loss"]) and step["completion_mean_length"] > 0
+        assert side["mean_after_first"]["step_s"] > 0 and side["mean_all"]["step_s"] > 0
+    first = [report["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl", "trl")]
+    assert sign(first[0]) == sign(first[1]), first  # same model, data and seed
+    assert set(report["speedup"]["mean_after_first"]) == {"step_s", "generation_s", "reward_s", "training_s"}
+
+
+def test_a_side_that_raises_is_recorded_and_the_other_still_runs(grpo_step, tmp_path, monkeypatch):
+    build = grpo_step.build_trainer
+
+    def build_or_fail(kind, *args, **kwargs):
+        if kind == "slimrl":
+            raise RuntimeError("injected failure")
+        return build(kind, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_step, "build_trainer", build_or_fail)
+    report = grpo_step.main([str(tmp_path / "w3.json"), "--tiny", "--steps", "1", "--trl-steps", "1"])
+    assert report["sides"]["slimrl"]["status"] == "error"
+    assert "injected failure" in report["sides"]["slimrl"]["error"]
+    assert report["sides"]["trl"]["status"] == "ok" and report["sides"]["trl"]["steps_run"] == 1
+    assert report["problems"] and "slimrl raised" in report["problems"][0]
+
+
+def test_offline_tokenizer_decodes_every_id_of_w1s_vocabulary(grpo_step):
+    from slimrl.testing import tiny_tokenizer
+
+    tokenizer = grpo_step.offline_tokenizer(grpo_step.V)
+    assert len(tokenizer) == grpo_step.V
+    text = "<|im_start|>user\nWhat is 12 - 5?<|im_end|>\n"
+    assert tokenizer(text)["input_ids"] == tiny_tokenizer()(text)["input_ids"]  # prompts: the testing ids
+    assert all(tokenizer.decode([i]) for i in (260, 9000, 100_000, grpo_step.V - 1))  # the rest: text
+
+
+def test_slimrl_engine_rollouts_are_recorded_as_such(grpo_step, tmp_path):
+    # on the GPU "auto" picks the engine; here it is asked for, so the bookkeeping that proves it ran is exercised
+    report = grpo_step.main([str(tmp_path / "w3.json"), "--tiny", "--steps", "1", "--skip", "trl",
+                             "--slimrl-backend", "engine"])  # fmt: skip
+    side = report["sides"]["slimrl"]
+    assert side["status"] == "ok", side.get("error")
+    assert side["generation_backend"] == "engine" and side["engine_used"] and side["engine"] is not None
+    assert side["steps"][0]["engine_stats"]["decode_steps"] > 0
+    assert report["sides"]["trl"]["status"] == "skipped" and report["speedup"] is None
