@@ -232,14 +232,194 @@ def kernel_self_check() -> dict:
     return report
 
 
+TUNE_CANDIDATES = {  # (gemm, block_n, block_k, num_warps, num_stages); for qkv block_n = columns per RoPE half
+    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 32, 64, 4, 4)],
+    "o": [(True, 16, 128, 4, 4), (True, 16, 256, 4, 3), (True, 64, 128, 4, 3)],
+    "gate_up": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 64, 64, 4, 3), (True, 64, 64, 4, 4),
+                (True, 64, 64, 8, 3), (False, 128, 64, 4, 3)],
+    "down": [(True, 32, 128, 4, 4), (False, 64, 64, 4, 3)],
+}  # fmt: skip
+ATTENTION_CANDIDATES = [(64, 4), (128, 4), (128, 8), (32, 4)]  # (block_s, num_warps)
+
+
+def layer_inputs(model, rows: int):
+    """Layer 0's live specs of W1's model and random inputs of `rows` decode rows."""
+    from slimrl.rollout import llama
+
+    decoder = llama.Decoder(model)
+    (norm, q, k, v), (q_norm, k_norm), (o, _), (gate, up, down) = decoder.layer_args(decoder.layers[0])
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = torch.randn(rows, 1536, generator=g, device="cuda").bfloat16()
+    act = (torch.randn(rows, 8960, generator=g, device="cuda") * 0.3).bfloat16()
+    angles = torch.rand(rows, 64, generator=g, device="cuda") * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    return decoder, h, act, cos, sin, (q, k, v), o, (gate, up), down
+
+
+def fused_calls(model, rows: int, choices, cache_len: int = 512):
+    """One callable per group running the fused op (with its LoRA shrink), and the unfused reference outputs."""
+    from slimrl.rollout import llama
+    from slimrl.rollout.fused_decode import FusedDecode
+    from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
+    from slimrl.rollout.lora_kernels import GroupedLoRA
+
+    decoder, h, act, cos, sin, qkv, o, gate_up, down = layer_inputs(model, rows)
+    lora = GroupedLoRA(tf32=True)
+    ops = FusedDecode(12, 2, 128, lora, tf32=True, choices=choices)
+    cache = StaticKVCache(1, rows, 2, cache_len, 128, torch.bfloat16, "cuda")
+    anchor = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+    table = torch.tensor(table_entries(cache, anchor), device="cuda")
+    column = torch.tensor([300], device="cuda")
+    ops.bind(StepContext(table, anchor, column, cache_len))
+
+    def run(fn):
+        def call():
+            lora.begin(rows, 4, 64, h.device)
+            return fn()
+
+        return call
+
+    calls = {
+        "qkv": run(lambda: ops.qkv(0, h, qkv, None, None, cos, sin)),
+        "o": run(lambda: ops.linear(h, o, "o")),
+        "gate_up": run(lambda: ops.gate_up(h, *gate_up)),
+        "down": run(lambda: ops.linear(act, down, "down")),
+    }
+    ref_cache = StaticKVCache(1, rows, 2, cache_len, 128, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        query, key, value = llama.project(h, qkv, llama.add_lora_)
+        query, key = llama.qk_norm_rope(query.view(rows, 12, 128), key.view(rows, 2, 128), None, None, cos, sin)
+        ref_cache.write_column(0, column, key, value.view(rows, 2, 128))
+        reference = {
+            "qkv": (query.reshape(rows, -1), ref_cache.keys[0], ref_cache.values[0]),
+            "o": llama.project(h, (o,), llama.add_lora_)[0],
+            "gate_up": llama.silu_mul(*llama.project(h, gate_up, llama.add_lora_)),
+            "down": llama.project(act, (down,), llama.add_lora_)[0],
+        }
+    return calls, reference, cache
+
+
+def fused_self_check(model) -> dict:
+    """Each fused op against the unfused path at W1's shapes, 8 / 64 / 256 rows: largest error over the largest
+    reference magnitude (bf16 with TF32 adapters: expect under 2e-2)."""
+    from slimrl.rollout.fused_decode import default_choices
+
+    report, worst = {}, 0.0
+    for rows in (8, 64, 256):
+        calls, reference, cache = fused_calls(model, rows, default_choices())
+        with torch.no_grad():
+            for group, call in calls.items():
+                got = call()
+                if group == "qkv":
+                    got = (got, cache.keys[0], cache.values[0])
+                else:
+                    got, want = (got,), (reference[group],)
+                want = reference[group] if group == "qkv" else want
+                err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                          for a, b in zip(got, want, strict=True))  # fmt: skip
+                report[f"{group}_B{rows}"] = round(err, 5)
+                worst = max(worst, err)
+    report["worst_relative_error"] = round(worst, 5)
+    report["ok"] = worst < 2e-2
+    return report
+
+
+def sampling_self_check() -> dict:
+    """The fused sampler against its plain statement at W1's vocabulary, 64 rows, same uniforms."""
+    from slimrl.rollout import sampling_kernel
+    from slimrl.rollout.sampling import SamplingParams
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(64, V, generator=g, device="cuda") * 4).bfloat16()
+    seed, step = torch.tensor([99], device="cuda"), torch.tensor([3], device="cuda")
+    report = {}
+    for name, params in (("t1", SamplingParams(temperature=1.0)), ("greedy", SamplingParams(temperature=0.0))):
+        tokens, logprobs = sampling_kernel.choose(logits, params, seed, step)
+        want, want_lp = sampling_kernel.reference_choice(logits, params, sampling_kernel.uniforms(seed, step, 64, V))
+        report[f"{name}_same_tokens"] = float((tokens == want).float().mean())
+        report[f"{name}_logprob_err"] = float((logprobs - want_lp).abs().max())
+    report["ok"] = all(report[f"{n}_same_tokens"] >= 0.98 and report[f"{n}_logprob_err"] < 1e-3
+                       for n in ("t1", "greedy"))  # fmt: skip
+    return report
+
+
+def tune(model, groups=("attention", *TUNE_CANDIDATES)) -> dict:
+    """Time each group's fused op for every candidate setting at 8 / 64 / 256 rows (CUDA-graph replays)."""
+    from triton.testing import do_bench_cudagraph
+
+    from slimrl.rollout.attention_kernel import decode_attention
+    from slimrl.rollout.fused_decode import ROW_BUCKETS, KernelChoice, default_choices
+    from slimrl.rollout.kv_cache import StaticKVCache, table_entries
+
+    report = {}
+    for rows in (64, 256) if "attention" in groups else ():  # at W2's mean context (384 live columns of 512)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(rows, 12, 128, generator=g, device="cuda").bfloat16()
+        cache = StaticKVCache(1, rows, 2, 512, 128, torch.bfloat16, "cuda")
+        keys = cache.keys[0].normal_(generator=g)
+        cache.values[0].normal_(generator=g)
+        anchor = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+        table = torch.tensor(table_entries(cache, anchor), device="cuda")
+        starts, end = torch.zeros(rows, dtype=torch.long, device="cuda"), torch.tensor([383], device="cuda")
+        for block_s, warps in ATTENTION_CANDIDATES:
+            key = f"attention_B{rows}_s{block_s}_w{warps}"
+            try:
+                args = (q, keys, keys, starts, end, 0.1, 0, table, anchor, block_s, warps)
+                report[key] = round(1000 * do_bench_cudagraph(lambda a=args: decode_attention(*a), rep=30), 2)
+            except Exception as err:  # noqa: BLE001
+                report[key] = f"ERR {type(err).__name__}: {str(err)[:120]}"
+            print(key, report[key], flush=True)
+    for rows in (8, 64, 256):
+        for group, candidates in ((g, c) for g, c in TUNE_CANDIDATES.items() if g in groups):
+            for gemm, block_n, block_k, warps, stages in candidates:
+                choices = default_choices()
+                choice = KernelChoice(gemm, block_n or 32, block_k, warps, stages)
+                choices[group] = {bucket: choice for bucket in ROW_BUCKETS}
+                calls, _, _ = fused_calls(model, rows, choices)
+                key = f"{group}_B{rows}_{'gemm' if gemm else 'cublas'}_n{block_n}_k{block_k}_w{warps}_s{stages}"
+                try:
+                    with torch.no_grad():
+                        report[key] = round(1000 * do_bench_cudagraph(calls[group], rep=30), 2)  # microseconds
+                except Exception as err:  # noqa: BLE001 - a setting that does not compile is reported
+                    report[key] = f"ERR {type(err).__name__}: {str(err)[:120]}"
+                print(key, report[key], flush=True)
+    return report
+
+
+def prefill_profile(engine, batch: int) -> dict:
+    """Kernels of one prefill of `batch` 256-token prompts (a rollout of one new token), by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slimrl.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=0)
+    engine.generate(prompts_for(batch), params, max_new_tokens=1)
+    start = sync_time()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts_for(batch), params, max_new_tokens=1)
+        torch.cuda.synchronize()
+    seconds = sync_time() - start
+    rows = sorted(((e.self_device_time_total, e.count, e.key[:90]) for e in prof.key_averages()
+                   if getattr(e, "self_device_time_total", 0)), reverse=True)  # fmt: skip
+    return {"batch": batch, "wall_s_profiled": round(seconds, 3), "gpu_ms": round(sum(r[0] for r in rows) / 1000, 1),
+            "top": [{"ms": round(t / 1000, 2), "n": n, "kernel": k} for t, n, k in rows[:25]]}  # fmt: skip
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "rollout.json"))
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--baseline-tokens", type=int, default=64)
-    sections = ["hf", "cb", "greedy", "profile", "engine", "ungrouped"]
+    sections = ["hf", "cb", "greedy", "profile", "engine", "ungrouped", "unfused", "reuse", "prefill"]
     parser.add_argument("--skip", nargs="*", default=[], choices=sections)
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
+    parser.add_argument(
+        "--tune",
+        nargs="*",
+        default=None,
+        metavar="GROUP",
+        help="time the fused kernels' candidate settings first (all groups, or those named)",
+    )
     args = parser.parse_args(argv)
 
     import peft
@@ -271,10 +451,28 @@ def main(argv=None):
     model = build_model()
     result["weight_GiB"] = round(weight_bytes(model) / 2**30, 3)
     result["kernel_self_check"] = check = kernel_self_check()
+    try:
+        check["fused"] = fused_self_check(model)
+    except Exception as err:  # noqa: BLE001 - a fused kernel that fails to run is turned off below
+        check["fused"] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+        traceback.print_exc()
+    fused_ok = check["lora_ok"] and check["attention_ok"] and check["fused"]["ok"]
+    try:
+        check["sampling"] = sampling_self_check()
+    except Exception as err:  # noqa: BLE001 - a sampler that fails to run is turned off below
+        check["sampling"] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+        traceback.print_exc()
+    save()
+    if args.tune is not None:
+        result["tune_us"] = tune(model, args.tune or ("attention", *TUNE_CANDIDATES))
+        save()
     engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
-                           triton_attention=check["attention_ok"])  # fmt: skip
+                           triton_attention=check["attention_ok"], fused_decode=fused_ok,
+                           fused_sampling=check["sampling"]["ok"])  # fmt: skip
     result["engine_config"] = {"grouped_decode": engine.grouped_decode, "tf32_adapters": engine.tf32,
                                "triton_attention": engine._attention_kernel is not None,
+                               "fused_decode": engine._fused is not None,
+                               "fused_sampling": engine._sampling_kernel is not None,
                                "cuda_graphs": engine.use_graphs, "compile": engine.use_compile}  # fmt: skip
     kv_per_token = 2 * 28 * 2 * 128 * 2
     result["roofline"] = {}
@@ -306,6 +504,42 @@ def main(argv=None):
             save()
         compiled = [*engine._blocks, engine._choose, *(engine._grouped[:4] if engine._grouped else [])]
         result["engine_compile_failed"] = [getattr(f, "failed", None) for f in compiled]
+    if "reuse" not in args.skip and engine._fused is not None:
+
+        def reuse():
+            """release() frees the cache; the next rollout of the same shape replays the kept graph."""
+            batch = args.batches[0]
+            engine.generate(prompts_for(batch), params, max_new_tokens=NEW)
+            before = torch.cuda.memory_allocated()
+            engine.release()
+            freed = before - torch.cuda.memory_allocated()
+            with torch.no_grad():  # an optimizer-like in-place edit of the adapter between rollouts
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.mul_(1.01)
+            start = sync_time()
+            out = engine.generate(prompts_for(batch), params, max_new_tokens=NEW)
+            return {"batch": batch, "freed_GiB": round(freed / 2**30, 3), "captures": out.stats.get("captures", 0),
+                    "capture_s": round(out.stats["capture_s"], 4), "s": round(sync_time() - start, 3)}  # fmt: skip
+
+        attempt("release_then_reuse", reuse)
+    if "prefill" not in args.skip:
+        attempt("prefill_profile", prefill_profile, engine, max(args.batches))
+    if "unfused" not in args.skip and engine._fused is not None:
+        engine.release(keep_graph=False)
+        unfused = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
+                                triton_attention=check["attention_ok"], fused_decode=False,
+                                fused_sampling=False)  # fmt: skip
+        result["engine_unfused"] = {}
+        for batch in args.batches:
+            attempt_key = f"B{batch}"
+            try:
+                result["engine_unfused"][attempt_key] = engine_run(unfused, batch, params, NEW)
+            except Exception as err:  # noqa: BLE001
+                result["engine_unfused"][attempt_key] = f"ERR {type(err).__name__}: {str(err)[:300]}"
+            save()
+        unfused.release(keep_graph=False)
+        del unfused
     if "greedy" not in args.skip:
         attempt("greedy_bf16", greedy_match, model, engine)
     if "profile" not in args.skip:
@@ -319,7 +553,7 @@ def main(argv=None):
         attempt("engine_ungrouped_B64", engine_run, plain, 64, params, NEW)
         plain.release()
         del plain
-    engine.release()
+    engine.release(keep_graph=False)
     for name, runner in (("hf", hf_generate_run), ("cb", cb_run)):
         if name in args.skip:
             continue

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_S = 64  # cache columns per step of the loop
+from slimrl.rollout.kv_cache import table_unit
+
+BLOCK_S = 64  # cache columns per step of the loop (default; `decode_attention(block_s=...)`)
 
 
 def can_run(head_dim: int, dtype: torch.dtype) -> bool:
@@ -31,6 +33,9 @@ def _decode_attention_kernel(
     out_ptr,
     start_ptr,
     end_ptr,
+    table_ptr,
+    anchor_ptr,
+    layer,
     scale,
     stride_kb,
     stride_kh,
@@ -41,7 +46,12 @@ def _decode_attention_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
+    if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
+        k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
+        v_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer + 1) * UNIT
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(start_ptr + b).to(tl.int32)
@@ -75,12 +85,24 @@ def _decode_attention_kernel(
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, end: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    starts: torch.Tensor,
+    end: torch.Tensor,
+    scale: float,
+    layer: int = 0,
+    table: torch.Tensor | None = None,
+    anchor: torch.Tensor | None = None,
+    block_s: int = BLOCK_S,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale) v over each row's columns [starts[b], end].
 
     q [B, heads, D]; keys/values [B, kv_heads, S, D] (the static cache); starts [B] and end [1] int tensors on the
-    device (no host sync). Returns [B, heads, D] in q's dtype.
+    device (no host sync). With `table` and `anchor` (see `kv_cache.table_entries`), the K and V tensors found at
+    table[2*layer] and table[2*layer+1] are read instead of keys/values, which then only give the shape.
+    Returns [B, heads, D].
     """
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
@@ -88,9 +110,11 @@ def decode_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    from_table = table is not None
     _decode_attention_kernel[(batch, kv_heads)](
-        q, keys, values, out, starts, end, scale, keys.stride(0), keys.stride(1), keys.stride(2),
-        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=BLOCK_S,
-        PRECISION=precision,
+        q, q if from_table else keys, q if from_table else values, out, starts, end, table if from_table else starts,
+        anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2),
+        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=block_s,
+        PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     return out

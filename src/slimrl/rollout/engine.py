@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from slimrl.rollout import llama
-from slimrl.rollout.kv_cache import StaticKVCache, kv_bytes_per_token
+from slimrl.rollout.kv_cache import StaticKVCache, StepContext, kv_bytes_per_token, table_entries
 from slimrl.rollout.sampling import SamplingParams, choose_tokens, exponential_noise
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,18 @@ def _bucket(batch: int) -> int:
 class _Session:
     """Everything one rollout shape needs on the device: the cache, the decode-step buffers, the captured graph."""
 
-    def __init__(self, decoder: llama.Decoder, batch: int, seq_len: int, params: SamplingParams, stop_ids):
+    def __init__(
+        self, decoder: llama.Decoder, batch: int, seq_len: int, params: SamplingParams, stop_ids, fused_sampling: bool
+    ):
         device, vocab = decoder.device, decoder.vocab_size
         self.batch, self.seq_len, self.params = batch, seq_len, params
-        self.cache = StaticKVCache(
-            decoder.num_layers, batch, decoder.kv_heads, seq_len, decoder.head_dim, decoder.dtype, device
-        )
+        self.decoder = decoder
+        self.cache = None
+        # where the cache tensors are (K then V per layer, from `anchor`), for kernels that must not bake addresses
+        # into a graph
+        self.table = torch.zeros(2 * decoder.num_layers, dtype=torch.long, device=device)
+        self.anchor = torch.zeros(1, dtype=decoder.dtype, device=device)
+        self.ensure_cache()
         self.cos, self.sin = decoder.rope_tables(seq_len)  # [S, D]
         long = dict(dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, **long)  # the input token of the next step
@@ -94,10 +101,23 @@ class _Session:
         self.stop_ids = torch.tensor(sorted(stop_ids), **long) if stop_ids else None
         penalised = params.repetition_penalty != 1
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device) if penalised else None
-        self.noise = None if params.greedy else torch.empty(batch, vocab, dtype=torch.float32, device=device)
+        # the fused sampler draws its noise in registers from (seed + step); the plain one reads a noise tensor
+        self.fused_sampling = fused_sampling
+        self.seed = torch.zeros(1, **long)
+        plain_noise = not params.greedy and not fused_sampling
+        self.noise = torch.empty(batch, vocab, dtype=torch.float32, device=device) if plain_noise else None
         self.graph = None
+        self.graph_bakes_cache = True  # until a capture shows every cache access went through the table
         self.fingerprint = None
         self.key = None
+
+    def ensure_cache(self) -> None:
+        """Allocate the KV cache if `release` freed it, and point the address table at it."""
+        if self.cache is not None:
+            return
+        d = self.decoder
+        self.cache = StaticKVCache(d.num_layers, self.batch, d.kv_heads, self.seq_len, d.head_dim, d.dtype, d.device)
+        self.table.copy_(torch.tensor(table_entries(self.cache, self.anchor), dtype=torch.long))
 
     def reset_for_capture(self) -> None:
         """Harmless values for the warm-up steps before a capture (they write cache column 0, which prefill
@@ -175,6 +195,15 @@ class RolloutEngine:
         the same structure when it is on.
     triton_attention: decode attention with `attention_kernel` (reads each row's live cache columns once) instead
         of SDPA with a mask. Default: on CUDA when Triton is installed.
+    fused_decode: with grouped_decode, run each layer's projections through `fused_decode` (base GEMM, LoRA, RoPE,
+        cache writes and SwiGLU fused; about 14 launches per layer instead of 24). With it and triton_attention,
+        the captured decode graph reads the KV cache through an address table, so `release()` frees the cache and
+        the next rollout of the same shape replays the same graph. Default: on CUDA when Triton is installed.
+    fused_sampling: for settings without top-k/top-p/min-p/repetition penalty (TRL's defaults), sample and take
+        log-probs with `sampling_kernel` (one pass over the logits, noise drawn in registers) instead of the plain
+        functions of `sampling.py` (same distribution, other random draws). Default: on CUDA when Triton is installed.
+
+    On CPU, the Triton options may be turned on under TRITON_INTERPRET=1 (the tests run the kernels that way).
     """
 
     def __init__(
@@ -189,6 +218,8 @@ class RolloutEngine:
         tf32_adapters: bool = True,
         grouped_decode: bool | None = None,
         triton_attention: bool | None = None,
+        fused_decode: bool | None = None,
+        fused_sampling: bool | None = None,
     ):
         supported, why = supports(model)
         if not supported:
@@ -224,24 +255,44 @@ class RolloutEngine:
             self._choose = _Compiled(choose_tokens)
         else:
             self._blocks, self._choose = llama.EAGER_BLOCKS, choose_tokens
+        triton_here = _triton_available() and (on_cuda or _interpreting())
         self.grouped_decode = (on_cuda and _triton_available()) if grouped_decode is None else grouped_decode
-        self._grouped = self._grouped_ops() if self.grouped_decode else None
         if triton_attention is None:
             triton_attention = on_cuda and _triton_available()
-        if triton_attention and not on_cuda:
-            raise ValueError("triton_attention needs the model on a CUDA device.")
+        if fused_decode is None:
+            fused_decode = self.grouped_decode and on_cuda and _triton_available()
+        if fused_sampling is None:
+            fused_sampling = on_cuda and _triton_available()
+        checks = (("triton_attention", triton_attention), ("fused_decode", fused_decode))
+        for name, wanted in (*checks, ("fused_sampling", fused_sampling)):
+            if wanted and not triton_here:
+                raise ValueError(f"{name} needs Triton and the model on a CUDA device (or TRITON_INTERPRET=1).")
+        if fused_decode and not self.grouped_decode:
+            raise ValueError("fused_decode=True needs grouped_decode=True.")
+        self._grouped = self._grouped_ops(triton_here) if self.grouped_decode else None
         self._attention_kernel = None
         if triton_attention:
             from slimrl.rollout import attention_kernel
 
             self._attention_kernel = attention_kernel
+        self._sampling_kernel = None
+        if fused_sampling:
+            from slimrl.rollout import sampling_kernel
+
+            self._sampling_kernel = sampling_kernel
+        self._fused = None
+        if fused_decode:
+            from slimrl.rollout.fused_decode import FusedDecode
+
+            d = self.decoder
+            self._fused = FusedDecode(d.heads, d.kv_heads, d.head_dim, self._grouped.add_lora, tf32=self.tf32)
         self.last_stats: dict = {}
 
-    def _grouped_ops(self) -> llama.GroupedOps:
+    def _grouped_ops(self, triton_here: bool) -> llama.GroupedOps:
         ops = llama.EAGER_GROUPED
         if self.use_compile:
             ops = llama.GroupedOps(*(_Compiled(fn) for fn in ops[:4]), ops.add_lora)
-        if self.device.type == "cuda" and _triton_available():
+        if triton_here:
             from slimrl.rollout import lora_kernels
 
             ops = ops._replace(add_lora=lora_kernels.GroupedLoRA(tf32=self.tf32))
@@ -284,11 +335,20 @@ class RolloutEngine:
             stats=stats,
         )
 
-    def release(self) -> None:
-        """Free the KV cache, decode buffers and captured graphs so training gets the memory back; the next
-        `generate` allocates (and, on CUDA, captures) again."""
-        if self._session is not None:
-            self._session.free()
+    def release(self, keep_graph: bool = True) -> None:
+        """Free the KV cache so training gets its memory back; the next `generate` allocates it again.
+
+        When the captured decode graph reads the cache through the address table (`fused_decode` with
+        `triton_attention`), it is kept with its small step buffers (keep_graph=True) and replayed by the next
+        rollout of the same shape: no re-capture. Otherwise, or with keep_graph=False, the graph and every buffer
+        are freed too."""
+        session = self._session
+        if session is None:
+            return
+        if keep_graph and session.graph is not None and not session.graph_bakes_cache:
+            session.cache = None
+            return
+        session.free()
         self._session = None
         self._pool = None
 
@@ -363,10 +423,12 @@ class RolloutEngine:
         key = (batch, seq_len, _sampling_key(params), tuple(sorted(stop_ids)))
         session = self._session
         if session is None or session.key != key:
-            self.release()  # one shape at a time: free the old cache before allocating the new one
-            session = _Session(self.decoder, batch, seq_len, params, stop_ids)
+            self.release(keep_graph=False)  # one shape at a time: free the old cache before allocating the new one
+            fused = self._sampling_kernel is not None and self._sampling_kernel.applies(params)
+            session = _Session(self.decoder, batch, seq_len, params, stop_ids, fused)
             session.key = key
             self._session = session
+        session.ensure_cache()
         return session
 
     def _run_wave(self, prompts, limits, params: SamplingParams, stop_ids, stats) -> list:
@@ -379,14 +441,21 @@ class RolloutEngine:
 
         if self.use_graphs:
             tick = time.perf_counter()
-            fingerprint = decoder.fingerprint() + (session.cache.data_ptrs(),)
+            fingerprint = decoder.fingerprint()
+            if session.graph is None or session.graph_bakes_cache:
+                fingerprint += (session.cache.data_ptrs(),)
             if session.graph is None or session.fingerprint != fingerprint:
                 self._capture(session)
+                if not session.graph_bakes_cache:
+                    fingerprint = decoder.fingerprint()
                 session.fingerprint = fingerprint
+                stats["captures"] = stats.get("captures", 0) + 1
             stats["capture_s"] += time.perf_counter() - tick
 
         tick = _now(self.device)
         session.start(prompts, limits, length, self.pad_token_id)
+        if session.fused_sampling:  # this wave's Philox key, from the engine's seeded generator (no host sync)
+            session.seed.copy_(torch.randint(0, 2**31, (1,), generator=self._generator, device=self.device))
         logits = self._prefill(session, prompts, length)
         self._fill_noise(session)
         self._finish_step(session, logits)
@@ -409,6 +478,7 @@ class RolloutEngine:
             tokens = prompts[r] if r < len(prompts) else [self.pad_token_id]
             padded[r, length - len(tokens) :] = torch.tensor(tokens)
             real[r, length - len(tokens) :] = True
+        real_host = real
         padded, real = padded.to(device), real.to(device)
         positions = (real.long().cumsum(-1) - 1).clamp_min_(0)  # transformers: cumsum of the attention mask - 1
         logits = torch.empty(batch, decoder.vocab_size, dtype=decoder.dtype, device=device)
@@ -416,7 +486,8 @@ class RolloutEngine:
         for start in range(0, batch, block):
             rows = slice(start, min(batch, start + block))
             b = rows.stop - rows.start
-            mask = llama.prefill_mask(real[rows], decoder.dtype)
+            # no padding in this block: causal attention without a mask (flash kernels); else the padded mask
+            mask = None if real_host[rows].all() else llama.prefill_mask(real[rows], decoder.dtype)
             cos = session.cos.index_select(0, positions[rows].reshape(-1))
             sin = session.sin.index_select(0, positions[rows].reshape(-1))
 
@@ -425,7 +496,10 @@ class RolloutEngine:
 
             ids = padded[rows].reshape(-1)
             if self._grouped is not None:
-                hidden = decoder.forward_grouped(ids, cos, sin, attend, self._grouped, self.use_compile)
+                ops = self._grouped
+                if self._fused is not None:  # no step context: q/k/v stay unfused; SwiGLU takes LoRA in its epilogue
+                    ops = ops._replace(fused=self._fused.bind(None))
+                hidden = decoder.forward_grouped(ids, cos, sin, attend, ops, self.use_compile)
             else:
                 hidden = decoder.forward(ids, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
             last = hidden.view(b, length, -1)[:, -1]
@@ -443,7 +517,11 @@ class RolloutEngine:
             for t in (logits, session.seen, session.noise):
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        tokens, logprobs = self._choose(logits, params, session.seen, session.noise)
+        if session.fused_sampling:
+            tokens, logprobs = self._sampling_kernel.choose(logits, params, session.seed, session.step)
+            logprobs = logprobs if params.logprobs else None
+        else:
+            tokens, logprobs = self._choose(logits, params, session.seen, session.noise)
         tokens = torch.where(session.done, self.pad_token_id, tokens)
         session.out_tokens.index_copy_(1, session.step, tokens[:, None])
         if logprobs is not None:
@@ -463,22 +541,44 @@ class RolloutEngine:
         """One token for every row: the body that is captured as a CUDA graph."""
         decoder = self.decoder
         module = self._attention_kernel
-        kernel = module.decode_attention if module and module.can_run(decoder.head_dim, decoder.dtype) else None
+        kernel = None
+        if module and module.can_run(decoder.head_dim, decoder.dtype):
+
+            def kernel(q, keys, values, starts, end, scale, layer):
+                tiles = self._attention_tiles(q)
+                return module.decode_attention(
+                    q, keys, values, starts, end, scale, layer, session.table, session.anchor, **tiles
+                )
+
         if kernel is None:
             session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
         cos = session.cos.index_select(0, session.positions)
         sin = session.sin.index_select(0, session.positions)
+        unfused = []
 
         def attend(layer, q, k, v):
+            if k is not None:
+                unfused.append(layer)
             return llama.decode_attention(
                 decoder, session.cache, layer, session.column, q, k, v, session.mask, kernel, session.starts
             )
 
         if self._grouped is not None:
-            hidden = decoder.forward_grouped(session.tokens, cos, sin, attend, self._grouped, self.use_compile)
+            ops = self._grouped
+            if self._fused is not None:
+                context = StepContext(session.table, session.anchor, session.column, session.seq_len)
+                ops = ops._replace(fused=self._fused.bind(context))
+            hidden = decoder.forward_grouped(session.tokens, cos, sin, attend, ops, self.use_compile)
         else:
             hidden = decoder.forward(session.tokens, cos, sin, attend, self._blocks, mark_dynamic=self.use_compile)
         self._finish_step(session, decoder.logits(hidden))
+        # the cache was reached only through the table: a graph of this step survives a new cache
+        session.step_bakes_cache = kernel is None or bool(unfused)
+
+    @staticmethod
+    def _attention_tiles(q: torch.Tensor) -> dict:
+        """Decode-attention launch settings by batch size (bench/rollout.py --tune on an H100, W1's shapes)."""
+        return {"block_s": 128, "num_warps": 8} if q.shape[0] <= 64 else {"block_s": 64, "num_warps": 4}
 
     def _capture(self, session: _Session) -> None:
         """Warm up (compiles, lazy inits) on a side stream, then capture one decode step."""
@@ -497,6 +597,7 @@ class RolloutEngine:
         with torch.cuda.graph(graph, pool=self._pool):
             self._decode_step(session)
         session.graph = graph
+        session.graph_bakes_cache = session.step_bakes_cache
 
     def _decode(self, session: _Session, prompts, max_steps: int, params: SamplingParams) -> int:
         """Run decode steps until every row is done or max_steps tokens exist; return the tokens per row made."""
@@ -584,6 +685,10 @@ def _stop_string_end(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> in
         else:
             low = mid + 1
     return low
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_available() -> bool:

@@ -7,6 +7,8 @@ sequence writes its t-th new token at the same column P + t: a decode step write
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,3 +57,38 @@ class StaticKVCache:
     def data_ptrs(self) -> tuple[int, ...]:
         """Addresses a captured graph has baked in; a graph is only valid for the cache it was captured with."""
         return tuple(t.data_ptr() for t in (*self.keys, *self.values))
+
+
+TABLE_UNIT_BYTES = 64  # the address table counts in these: torch aligns allocations to 64 bytes (CUDA: 512)
+
+
+def table_unit(dtype: torch.dtype) -> int:
+    """Elements per address-table unit for a cache of this dtype."""
+    return TABLE_UNIT_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def table_entries(cache: StaticKVCache, anchor: torch.Tensor) -> list[int]:
+    """Where each layer's K and V tensors start, counted from `anchor` in table units (K then V per layer).
+
+    A kernel forms the address as `anchor + entry * unit`: the multiplication tells Triton the address is aligned,
+    so its loads stay vectorised, which an address loaded as a raw integer would not."""
+    unit = TABLE_UNIT_BYTES
+    entries = []
+    for tensor in (t for pair in zip(cache.keys, cache.values, strict=True) for t in pair):
+        delta = tensor.data_ptr() - anchor.data_ptr()
+        if delta % unit:
+            raise RuntimeError(f"a KV-cache tensor is not {unit}-byte aligned relative to the anchor; cannot table it")
+        entries.append(delta // unit)
+    return entries
+
+
+@dataclass
+class StepContext:
+    """What one decode step's fused kernels share: the cache address table (int64 [2 * layers], K and V tensor
+    offsets per layer from `anchor`, in table units), the anchor tensor (cache dtype), the step's cache column
+    (int64 [1]) and the cache length."""
+
+    table: torch.Tensor
+    anchor: torch.Tensor
+    column: torch.Tensor
+    cache_len: int

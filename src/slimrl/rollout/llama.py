@@ -246,6 +246,7 @@ class GroupedOps(NamedTuple):
     qk_norm_rope: object
     silu_mul: object
     add_lora: object  # add_lora(x, items), in place
+    fused: object = None  # fused_decode.FusedDecode bound to a decode step, or None
 
 
 EAGER_GROUPED = GroupedOps(rms_norm, add_rms_norm, qk_norm_rope, silu_mul, add_lora_)
@@ -404,17 +405,29 @@ class Decoder:
             else:
                 mark(delta)
                 hidden, h = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
-            query, key, value = project(h, (q, k, v), ops.add_lora)
-            query, key = query.view(n, heads, dim), key.view(n, kv_heads, dim)
-            mark(query, key)
-            query, key = ops.qk_norm_rope(query, key, q_norm, k_norm, cos, sin)
-            attn = attend(index, query, key, value.view(n, kv_heads, dim))
-            (out,) = project(attn, (o,), ops.add_lora)
+            fused = ops.fused
+            query = None if fused is None else fused.qkv(index, h, (q, k, v), q_norm, k_norm, cos, sin)
+            if query is not None:  # k and v are in the cache already
+                attn = attend(index, query.view(n, heads, dim), None, None)
+            else:
+                query, key, value = project(h, (q, k, v), ops.add_lora)
+                query, key = query.view(n, heads, dim), key.view(n, kv_heads, dim)
+                mark(query, key)
+                query, key = ops.qk_norm_rope(query, key, q_norm, k_norm, cos, sin)
+                attn = attend(index, query, key, value.view(n, kv_heads, dim))
+            out = None if fused is None else fused.linear(attn, o, "o")
+            if out is None:
+                (out,) = project(attn, (o,), ops.add_lora)
             mark(hidden, out)
             hidden, h = ops.add_rms_norm(hidden, out, post_norm.weight, post_norm.eps)
-            gate_out, up_out = project(h, (gate, up), ops.add_lora)
-            mark(gate_out, up_out)
-            (delta,) = project(ops.silu_mul(gate_out, up_out), (down,), ops.add_lora)
+            act = None if fused is None else fused.gate_up(h, gate, up, down)
+            if act is None:
+                gate_out, up_out = project(h, (gate, up), ops.add_lora)
+                mark(gate_out, up_out)
+                act = ops.silu_mul(gate_out, up_out)
+            delta = None if fused is None else fused.linear(act, down, "down")
+            if delta is None:
+                (delta,) = project(act, (down,), ops.add_lora)
         mark(hidden, delta)
         final = norm_spec(self.norm)
         return ops.add_rms_norm(hidden, delta, final.weight, final.eps)[1]
@@ -458,17 +471,21 @@ def _spec_identity(spec: LinearSpec):
 def prefill_attention(decoder: Decoder, cache, layer: int, rows: slice, q, k, v, mask, batch: int, length: int):
     """Causal attention over a left-padded block of prompts; stores their K/V in the cache.
 
-    q [b*P, heads, D], k/v [b*P, kv_heads, D], mask [b, 1, P, P] additive. Returns [b*P, heads*D].
+    q [b*P, heads, D], k/v [b*P, kv_heads, D], mask [b, 1, P, P] additive, or None when no row has padding (plain
+    causal attention, which SDPA runs with its flash kernels). Returns [b*P, heads*D].
     """
     heads, kv_heads, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
     q = q.view(batch, length, heads, dim).transpose(1, 2)
     k = k.view(batch, length, kv_heads, dim).transpose(1, 2)
     v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
     cache.write_prompt(layer, rows, k, v)
-    if heads != kv_heads:  # query head h reads kv head h // group, as transformers' repeat_kv
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=decoder.scaling)
+    if mask is None:  # no padding: plain causal attention, query head h reading kv head h // group
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=decoder.scaling, enable_gqa=True)
+    else:
+        if heads != kv_heads:  # query head h reads kv head h // group, as transformers' repeat_kv
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=decoder.scaling)
     return out.transpose(1, 2).reshape(batch * length, heads * dim)
 
 
@@ -483,10 +500,11 @@ def decode_attention(
     """
     batch = q.shape[0]
     heads, kv_heads, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
-    cache.write_column(layer, column, k, v)
+    if k is not None:  # else the fused q/k/v kernel has written them
+        cache.write_column(layer, column, k, v)
     keys, values = cache.keys[layer], cache.values[layer]
     if kernel is not None:
-        return kernel(q, keys, values, starts, column, decoder.scaling).reshape(batch, heads * dim)
+        return kernel(q, keys, values, starts, column, decoder.scaling, layer).reshape(batch, heads * dim)
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     if q.is_cuda:  # cuDNN's kernel, the default pick on Hopper, is slow for a handful of queries against a mask
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

@@ -18,6 +18,8 @@ compare the two on CUDA. Import this module only where Triton may be used: it im
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,9 +31,14 @@ TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H10
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether Triton kernels can take this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1 (the tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def can_fuse(x: torch.Tensor, items) -> bool:
     """Whether `lora_group_` handles these: CUDA, contiguous, one adapter dtype and rank, at most three."""
-    if not items or len(items) > MAX_GROUP or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+    if not items or len(items) > MAX_GROUP or not runs_here(x) or x.dim() != 2 or x.stride(-1) != 1:
         return False
     lora_a0, lora_b0, _ = items[0][1]
     rank, dtype = lora_a0.shape[0], lora_a0.dtype
@@ -171,25 +178,19 @@ def padded_rank(rank: int) -> int:
     return _pow2_at_least(rank, 16)
 
 
-def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None) -> None:
-    """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
-
-    x [M, K]; y_i [M, n_i] contiguous. workspace: zeroed fp32 of at least len(items) * M * padded_rank(r)
-    elements (allocated here when None). Three launches at most (zeroing, shrink, expand); no host sync.
-    """
+def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True) -> torch.Tensor:
+    """lora_A(x) for up to three adapters at once: returns the fp32 workspace [G, M, R_PAD] holding x · A_iᵀ
+    (zero past the rank). workspace: zeroed fp32 of at least G * M * padded_rank(r) elements, or None."""
     rows, features = x.shape
-    group = len(items)
-    lora_as = [a for _, (a, _, _) in items]
-    lora_bs = [b for _, (_, b, _) in items]
-    outputs = [y for y, _ in items]
-    scales = [float(s) for _, (_, _, s) in items]
+    group = len(lora_as)
     rank = lora_as[0].shape[0]
     r_pad = padded_rank(rank)
     if workspace is None:
         workspace = torch.zeros(group * rows * r_pad, dtype=torch.float32, device=x.device)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_r = min(r_pad, 32)
+    # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
+    block_r = r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
     r_blocks = r_pad // block_r
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
@@ -197,12 +198,32 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(TARGET_PROGRAMS, m_tiles * group * r_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
-    pad = MAX_GROUP - group
-    a_args = lora_as + [lora_as[0]] * pad
+    a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, workspace, rows, features, rank, x.stride(0), k_per_split,
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
     )  # fmt: skip
+    return workspace[: group * rows * r_pad].view(group, rows, r_pad)
+
+
+def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None) -> None:
+    """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
+
+    x [M, K]; y_i [M, n_i] contiguous. workspace: zeroed fp32 of at least len(items) * M * padded_rank(r)
+    elements (allocated here when None). Three launches at most (zeroing, shrink, expand); no host sync.
+    """
+    rows = x.shape[0]
+    group = len(items)
+    lora_bs = [b for _, (_, b, _) in items]
+    outputs = [y for y, _ in items]
+    scales = [float(s) for _, (_, _, s) in items]
+    rank = lora_bs[0].shape[1]
+    r_pad = padded_rank(rank)
+    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32)
+    precision = "tf32" if tf32 else "ieee"
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    m_tiles = triton.cdiv(rows, block_m)
+    pad = MAX_GROUP - group
     widths = [y.shape[1] for y in outputs]
     block_n = 128 if sum(widths) * m_tiles >= 128 * 128 else 64
     tiles = [triton.cdiv(w, block_n) for w in widths] + [0] * pad
@@ -234,10 +255,20 @@ class GroupedLoRA:
         self._r_pad = padded_rank(max(rank, 1))
         size = calls * MAX_GROUP * rows * self._r_pad
         self._offset = 0
-        if size * 4 > WORKSPACE_BYTES or device.type != "cuda":  # a long prefill: per-call buffers are smaller
+        if size * 4 > WORKSPACE_BYTES:  # a long prefill: per-call buffers are smaller
             self._workspace = None
             return
         self._workspace = torch.zeros(size, dtype=torch.float32, device=device)
+
+    def take(self, elements: int, rank: int) -> torch.Tensor | None:
+        """The next `elements` of the zeroed per-forward workspace, or None when it has no room (or another rank)."""
+        if self._workspace is None or padded_rank(rank) != self._r_pad:
+            return None
+        if self._offset + elements > self._workspace.numel():
+            return None
+        piece = self._workspace[self._offset : self._offset + elements]
+        self._offset += elements
+        return piece
 
     def __call__(self, x: torch.Tensor, items) -> None:
         for start in range(0, len(items), MAX_GROUP):
@@ -245,10 +276,6 @@ class GroupedLoRA:
             if not can_fuse(x, chunk):
                 add_lora_(x, chunk)
                 continue
-            needed = len(chunk) * x.shape[0] * padded_rank(chunk[0][1][0].shape[0])
-            workspace = None
-            rank_fits = padded_rank(chunk[0][1][0].shape[0]) == self._r_pad
-            if self._workspace is not None and rank_fits and self._offset + needed <= self._workspace.numel():
-                workspace = self._workspace[self._offset : self._offset + needed]
-                self._offset += needed
+            rank = chunk[0][1][0].shape[0]
+            workspace = self.take(len(chunk) * x.shape[0] * padded_rank(rank), rank)
             lora_group_(x, chunk, self.tf32, workspace)

@@ -1,0 +1,217 @@
+"""The decode step's fused projections (`decode_kernels`) bound to one layer's live modules.
+
+`FusedDecode` gives `Decoder.forward_grouped` three operations; each returns None when the projections at hand do
+not fit the kernels (several active adapters, mixed LoRA and plain layers, a head dim the kernels cannot tile, ...)
+and the forward then takes its unfused path for that group, which is the reference:
+
+- `qkv(layer, h, specs, q_norm, k_norm, cos, sin)`: q [N, heads*D] with RoPE, k and v written into the cache;
+- `linear(x, spec)`: one projection with its LoRA update (o, down);
+- `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates.
+
+LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `lora_kernels.shrink_` in one
+launch; the kernels here add `B · scale` in their epilogue. Base weights are multiplied by the kernels themselves
+(`gemm` per group) or by the modules / cuBLAS before the epilogue kernel (bitsandbytes layers, and groups where
+cuBLAS is faster). The cache is addressed through `table` (see `decode_kernels`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from slimrl.rollout import decode_kernels, lora_kernels
+from slimrl.rollout.kv_cache import StepContext
+from slimrl.rollout.llama import LinearSpec
+
+GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class KernelChoice:
+    """Launch settings of one projection group: whether the Triton kernel does the base GEMM (else cuBLAS or the
+    module does, and the kernel runs the epilogue), its output-column tile (for q/k/v: columns of each RoPE half
+    per program), K step, warps and pipeline stages."""
+
+    gemm: bool = True
+    block_n: int = 32
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# settings are chosen per row count: decode batches of up to 16, 64 and 256 rows, and prefill blocks beyond
+ROW_BUCKETS = (16, 64, 256, 1 << 30)
+
+
+def default_choices() -> dict[str, dict[int, KernelChoice]]:
+    """Per group and row bucket: the fastest candidates of `bench/rollout.py --tune` on an H100 with W1's shapes
+    (docs/bench/w2_tune.json). cuBLAS keeps the long-K down projection at every size, gate/up from 256 rows, and
+    every base GEMM of a prefill (then only the epilogue is ours); the fused kernels win where launches dominate."""
+    cublas = KernelChoice(gemm=False, block_n=64)
+    return {
+        "qkv": {
+            16: KernelChoice(gemm=True, block_n=32, block_k=128),
+            64: KernelChoice(gemm=True, block_n=16, block_k=128),
+            256: KernelChoice(gemm=True, block_n=32, block_k=128),
+            1 << 30: replace(cublas),
+        },
+        "o": {
+            16: KernelChoice(gemm=True, block_n=16, block_k=256),
+            64: KernelChoice(gemm=True, block_n=16, block_k=128, num_stages=4),
+            256: KernelChoice(gemm=True, block_n=64, block_k=128),
+            1 << 30: replace(cublas),
+        },
+        "gate_up": {
+            16: KernelChoice(gemm=True, block_n=32, block_k=128),
+            64: KernelChoice(gemm=True, block_n=64, block_k=64, num_stages=4),
+            256: KernelChoice(gemm=False, block_n=128),
+            1 << 30: KernelChoice(gemm=False, block_n=128),
+        },
+        "down": {bucket: replace(cublas) for bucket in ROW_BUCKETS},
+    }
+
+
+@dataclass
+class FusedDecode:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    lora: lora_kernels.GroupedLoRA
+    tf32: bool = True
+    choices: dict = field(default_factory=default_choices)
+    context: StepContext | None = None
+    # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, A, workspace [1, M, R_PAD])
+    _shrunk: tuple | None = None
+
+    def choice(self, group: str, rows: int) -> KernelChoice:
+        buckets = self.choices[group]
+        return buckets[min(b for b in buckets if b >= rows)]
+
+    def bind(self, context: StepContext | None) -> FusedDecode:
+        self.context = context
+        return self
+
+    # -- the pieces ----------------------------------------------------------------------------------------------
+
+    def _lora(self, x: torch.Tensor, specs):
+        """(workspace, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when
+        none has an adapter, False when the kernels cannot take them."""
+        counts = {len(s.loras) for s in specs}
+        if counts == {0}:
+            return None
+        if counts != {1}:
+            return False
+        lora_as = [s.loras[0][0] for s in specs]
+        lora_bs = [s.loras[0][1] for s in specs]
+        rank, dtype = lora_as[0].shape[0], lora_as[0].dtype
+        if rank > 128 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        for spec, a, b in zip(specs, lora_as, lora_bs, strict=True):
+            out_features = spec.weight.shape[0] if spec.weight is not None else None
+            if a.dtype != dtype or b.dtype != dtype or a.shape != (rank, x.shape[1]) or b.shape[1] != rank:
+                return False
+            if out_features is not None and b.shape[0] != out_features:
+                return False
+            if not (a.is_contiguous() and b.is_contiguous()):
+                return False
+        scales = [s.loras[0][2] for s in specs]
+        shrunk, self._shrunk = self._shrunk, None
+        if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
+            return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
+        padded = lora_kernels.padded_rank(rank)
+        workspace = self.lora.take(len(specs) * x.shape[0] * padded, rank)
+        workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32)
+        return workspace, lora_bs, scales
+
+    def _base(self, x: torch.Tensor, specs, gemm: bool):
+        """(weights, biases, outputs) for the kernel: weights for the kernel's own GEMM, else base outputs computed
+        here (module calls for bitsandbytes layers; cuBLAS for plain ones). None when the specs do not fit."""
+        modules = [s.module is not None for s in specs]
+        if all(modules):
+            return None, None, [s.module(x).contiguous() for s in specs]
+        if any(modules):
+            return None
+        if any(s.weight.dtype != x.dtype for s in specs):
+            return None
+        if not gemm:
+            return None, None, [F.linear(x, s.weight, s.bias) for s in specs]
+        if not all(s.weight.is_contiguous() for s in specs):
+            return None
+        biases = [s.bias for s in specs]
+        if any(b is None for b in biases):
+            if any(b is not None for b in biases):
+                return None, None, [F.linear(x, s.weight, s.bias) for s in specs]
+            biases = None
+        return [s.weight for s in specs], biases, None
+
+    def _ready(self, x: torch.Tensor) -> bool:
+        return lora_kernels.runs_here(x) and x.dim() == 2 and x.stride(-1) == 1
+
+    # -- the operations ------------------------------------------------------------------------------------------
+
+    def qkv(self, layer: int, h, specs, q_norm, k_norm, cos, sin) -> torch.Tensor | None:
+        context = self.context
+        if context is None or not self._ready(h) or not decode_kernels.can_run_qkv(self.head_dim, h.dtype):
+            return None
+        if (q_norm is None) != (k_norm is None):
+            return None
+        choice = self.choice("qkv", h.shape[0])
+        base = self._base(h, specs, choice.gemm)
+        if base is None:
+            return None
+        lora = self._lora(h, specs)
+        if lora is False:
+            return None
+        weights, biases, outputs = base
+        norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
+        query = torch.empty(h.shape[0], self.heads * self.head_dim, dtype=h.dtype, device=h.device)
+        decode_kernels.qkv_rope_cache(
+            h, weights, biases, outputs, lora, norms, cos, sin, query, context.table, context.anchor, layer,
+            context.column, context.cache_len, self.heads, self.kv_heads, self.head_dim, block_k=choice.block_k,
+            tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages, slice_cols=choice.block_n,
+        )  # fmt: skip
+        return query
+
+    def _project(self, x, specs, group: str, pair: bool, next_shrink=None) -> torch.Tensor | None:
+        if not self._ready(x):
+            return None
+        choice = self.choice(group, x.shape[0])
+        base = self._base(x, specs, choice.gemm)
+        if base is None:
+            return None
+        lora = self._lora(x, specs)
+        if lora is False:
+            return None
+        weights, biases, outputs = base
+        width = weights[0].shape[0] if weights is not None else outputs[0].shape[1]
+        out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
+        return decode_kernels.project(
+            x, weights, biases, outputs, lora, out, pair, block_n=choice.block_n, block_k=choice.block_k,
+            tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
+            next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
+        )  # fmt: skip
+
+    def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
+        return self._project(x, (spec,), group, pair=False)
+
+    def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
+        """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
+        same launch and picked up by the next `linear(act, down)`."""
+        if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
+            return None
+        next_shrink = None
+        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h):
+            lora_a = down.loras[0][0]
+            rank = lora_a.shape[0]
+            dtypes = (torch.float32, torch.bfloat16, torch.float16)
+            if lora_a.is_contiguous() and rank <= 128 and lora_a.dtype in dtypes:
+                padded = lora_kernels.padded_rank(rank)
+                workspace = self.lora.take(h.shape[0] * padded, rank)
+                if workspace is not None:
+                    next_shrink = (lora_a, workspace.view(1, h.shape[0], padded))
+        act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
+        if act is not None and next_shrink is not None:
+            self._shrunk = (act, next_shrink[0], next_shrink[1])
+        return act

@@ -1,0 +1,201 @@
+"""Sampling without filters in two small Triton launches: one read of the logits, no noise tensor.
+
+For TRL's default settings (temperature only: no top-k, top-p, min-p or repetition penalty) the decode step's
+sampling is "pick argmax(z - log E) with z = logits / T and E ~ Exp(1) i.i.d." (the exponential race of
+`sampling.sample`, which draws token i with probability softmax(z)_i), plus the chosen token's log-probability
+z_i - logsumexp(z). The plain path materialises a [B, V] fp32 noise tensor outside the graph and runs several passes
+over fp32 copies of the logits; here each program streams a slice of a row once, drawing its Exp(1) variates in
+registers with Philox (keyed by the rollout's seed and the step; one call gives the uniforms of four columns), a running
+logsumexp and the best candidate; a second launch combines the slices of each row.
+
+Same distribution as the plain path, not the same draws (another generator). Greedy (T = 0) takes the first
+largest logit, as `argmax` does, and reports z - logsumexp(z) of the unscaled logits, as `choose_tokens` does.
+`reference_choice` is the plain-PyTorch statement of what the kernels compute, given the same uniforms; the tests
+compare the two, and check the sampled frequencies against softmax(z). Import only where Triton may be used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slimrl.rollout.sampling import SamplingParams
+
+BLOCK = 2048  # logits per loop step of a program
+TARGET_PROGRAMS = 512
+
+
+def applies(params: SamplingParams) -> bool:
+    """Whether the fused sampler implements these settings (no filters, no penalty)."""
+    return (
+        params.top_k_value == 0
+        and params.top_p >= 1.0
+        and params.min_p_value <= 0.0
+        and params.repetition_penalty == 1.0
+    )
+
+
+@triton.jit
+def _visit(logits_ptr, row, V, limit, base, u, inv_t, m, s, m_raw, s_raw, best, best_idx, Q: tl.constexpr,
+           GREEDY: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
+    """One tile of Q logits [base, base + Q) of the row: update the running logsumexp(s) and the best key."""
+    cols = base + tl.arange(0, Q)
+    ok = (cols < V) & (cols < limit)
+    raw = tl.load(logits_ptr + row * V + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    z = raw * inv_t
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), axis=0)
+    if RAW:
+        mr_new = tl.maximum(m_raw, tl.max(raw, axis=0))
+        s_raw = s_raw * tl.exp(m_raw - mr_new) + tl.sum(tl.where(ok, tl.exp(raw - mr_new), 0.0), axis=0)
+        m_raw = mr_new
+    if GREEDY:
+        key = z
+    else:  # z + Gumbel = z - log(E), E = -log(U) ~ Exp(1); U = 0 gives E = inf, a key of -inf: never chosen
+        key = z - tl.log(-tl.log(u))
+    key = tl.where(ok, key, -float("inf"))
+    top = tl.max(key, axis=0)
+    best_idx = tl.where(top > best, base + tl.argmax(key, axis=0), best_idx)
+    return m_new, s, m_raw, s_raw, tl.maximum(best, top), best_idx
+
+
+@triton.jit
+def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_row, inv_t,
+                    GREEDY: tl.constexpr, RAW: tl.constexpr, SPLITS: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    Q: tl.constexpr = BLOCK // 4  # one Philox call gives four uniforms: one for each quarter of a block
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    seed = tl.load(seed_ptr) + tl.load(step_ptr)  # a new Philox key per step
+    start = split * per_split
+    limit = start + per_split
+    m = tl.full([], -float("inf"), tl.float32)  # running max and sum of exp of z = logits / T (log-probability)
+    s = tl.zeros([], tl.float32)
+    m_raw = tl.full([], -float("inf"), tl.float32)  # the same over the raw logits ("raw" log-probs)
+    s_raw = tl.zeros([], tl.float32)
+    best = tl.full([], -float("inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int32)
+    for v0 in range(start, limit, BLOCK):
+        if GREEDY:
+            u0 = tl.zeros([Q], tl.float32)
+            u1 = u0
+            u2 = u0
+            u3 = u0
+        else:  # counters row * per_row + v0 / 4 + i: distinct for every (row, block, lane)
+            u0, u1, u2, u3 = tl.rand4x(seed, row * per_row + v0 // 4 + tl.arange(0, Q))
+        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0, u0, inv_t, m, s, m_raw, s_raw,
+                                                    best, best_idx, Q, GREEDY, RAW)  # fmt: skip
+        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + Q, u1, inv_t, m, s, m_raw,
+                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
+        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + 2 * Q, u2, inv_t, m, s, m_raw,
+                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
+        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + 3 * Q, u3, inv_t, m, s, m_raw,
+                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
+    out = part_ptr + (row * SPLITS + split) * 8
+    tl.store(out + 0, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, best)
+    tl.store(out + 3, best_idx.to(tl.float32))  # exact: V < 2**24
+    tl.store(out + 5, m_raw)
+    tl.store(out + 6, s_raw)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, logits_ptr, V, inv_t, tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr,
+                    RAW: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS)
+    base = part_ptr + (row * SPLITS + offs) * 8
+    m = tl.load(base + 0)
+    s = tl.load(base + 1)
+    best = tl.load(base + 2)
+    top = tl.max(best, axis=0)
+    winner = tl.argmax(best, axis=0)  # the first slice holding the largest key: first index, as argmax
+    pick = offs == winner
+    token = tl.sum(tl.where(pick, tl.load(base + 3), 0.0), axis=0).to(tl.int64)
+    token = tl.where(top > -float("inf"), token, 0)
+    raw = tl.load(logits_ptr + row * V + token).to(tl.float32)  # the chosen token's logit
+    big = tl.max(m, axis=0)
+    lse = big + tl.log(tl.sum(s * tl.exp(m - big), axis=0))
+    logprob = raw * inv_t - lse
+    if RAW:
+        m_raw = tl.load(base + 5)
+        big_raw = tl.max(m_raw, axis=0)
+        lse_raw = big_raw + tl.log(tl.sum(tl.load(base + 6) * tl.exp(m_raw - big_raw), axis=0))
+        logprob = raw - lse_raw
+    tl.store(tokens_ptr + row, token)
+    tl.store(logprobs_ptr + row, logprob)
+
+
+def splits_for(batch: int, vocab: int) -> int:
+    """Slices per row: enough programs to fill the GPU, a power of two (the combine reads them as one tile)."""
+    wanted = max(1, min(TARGET_PROGRAMS // max(batch, 1), triton.cdiv(vocab, BLOCK)))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, step: torch.Tensor):
+    """(tokens [B] int64, log-probs [B] fp32) from logits [B, V] (contiguous); seed and step are int64 [1] device
+    tensors (no host sync, graph-safe). Log-probs follow `params.logprobs_mode` as `choose_tokens` does."""
+    batch, vocab = logits.shape
+    splits = splits_for(batch, vocab)
+    per_split = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
+    parts = torch.empty(batch, splits, 8, dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    greedy = params.greedy
+    raw = params.logprobs_mode == "raw"
+    inv_t = 1.0 if greedy else 1.0 / params.temperature
+    _partial_kernel[(batch, splits)](
+        logits,
+        seed,
+        step,
+        parts,
+        vocab,
+        per_split,
+        _per_row(vocab),
+        inv_t,
+        GREEDY=greedy,
+        RAW=raw,
+        SPLITS=splits,
+        BLOCK=BLOCK,
+    )
+    _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, SPLITS=splits, RAW=raw)
+    return tokens, logprobs
+
+
+def _per_row(vocab: int) -> int:
+    """Philox counters a row uses (a quarter of its blocks' lanes)."""
+    return triton.cdiv(vocab, BLOCK) * (BLOCK // 4)
+
+
+@triton.jit
+def _uniforms_kernel(seed_ptr, step_ptr, out_ptr, V, per_row, BLOCK: tl.constexpr):
+    Q: tl.constexpr = BLOCK // 4
+    row = tl.program_id(0)
+    v0 = tl.program_id(1) * BLOCK
+    seed = tl.load(seed_ptr) + tl.load(step_ptr)
+    u0, u1, u2, u3 = tl.rand4x(seed, row * per_row + v0 // 4 + tl.arange(0, Q))
+    cols = v0 + tl.arange(0, Q)
+    tl.store(out_ptr + row * V + cols, u0, mask=cols < V)
+    tl.store(out_ptr + row * V + cols + Q, u1, mask=cols + Q < V)
+    tl.store(out_ptr + row * V + cols + 2 * Q, u2, mask=cols + 2 * Q < V)
+    tl.store(out_ptr + row * V + cols + 3 * Q, u3, mask=cols + 3 * Q < V)
+
+
+def uniforms(seed: torch.Tensor, step: torch.Tensor, batch: int, vocab: int) -> torch.Tensor:
+    """The uniforms `choose` draws for this seed and step, [B, V] (for tests)."""
+    out = torch.empty(batch, vocab, dtype=torch.float32, device=seed.device)
+    _uniforms_kernel[(batch, triton.cdiv(vocab, BLOCK))](seed, step, out, vocab, _per_row(vocab), BLOCK=BLOCK)
+    return out
+
+
+def reference_choice(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None):
+    """What the kernels compute, in plain PyTorch: uniforms [B, V] in (0, 1) (ignored when greedy)."""
+    raw = logits.float()
+    z = raw if params.greedy else raw / params.temperature
+    key = z if params.greedy else z - torch.log(-torch.log(uniforms))
+    tokens = key.argmax(dim=-1)
+    reported = raw if params.logprobs_mode == "raw" else z
+    logprobs = reported.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(reported, dim=-1)
+    return tokens, logprobs
