@@ -12,7 +12,6 @@ from slimrl.rollout.sampling import SamplingParams
 from tests.rollout.test_engine import PROMPTS, build, full_forward_logprobs, no_eos, with_lora
 from tests.tolerances import assert_close
 
-pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
