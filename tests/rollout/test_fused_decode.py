@@ -13,8 +13,6 @@ from slimrl.rollout import llama
 from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
 from tests.tolerances import assert_close
 
-
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, KV_HEADS, DIM, HIDDEN, RANK = 4, 2, 32, 96, 8
 
