@@ -127,7 +127,8 @@ def test_4bit_model_matches_generate(tmp_path):
 
     tiny_model("llama").save_pretrained(tmp_path / "tiny")
     tiny_tokenizer().save_pretrained(tmp_path / "tiny")
-    model, _ = FastLanguageModel.from_pretrained(str(tmp_path / "tiny"), load_in_4bit=True)
+    # fp32 compute: exact greedy parity is a statement about the same math (bf16 on a GPU flips near-ties)
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path / "tiny"), load_in_4bit=True, dtype=torch.float32)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     model = no_eos(model.eval())
     out = RolloutEngine(model).generate(PROMPTS, GREEDY, max_new_tokens=8)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from slimrl.rollout import llama
-from tests.tolerances import assert_close
+from tests.tolerances import TOLERANCES, assert_close
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA devices")
 
@@ -48,6 +48,7 @@ def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf
 
     for features, rank, widths in [(1536, 64, [1536, 256, 256]), (200, 8, [8960, 8960]), (8960, 16, [1536])]:
         x, items = make_group(rows, features, rank, widths, out_dtype, adapter_dtype)
+        before = [y.clone() for y, _ in items]
         expected = [(y.clone(), lora) for y, lora in items]
         # the reference sums in fp32 (cuBLAS may otherwise reduce bf16 products in bf16, less exactly than the kernel)
         reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
@@ -59,7 +60,17 @@ def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf
         assert can_fuse(x, items)
         lora_group_(x, items, tf32=tf32)
         for i, ((got, _), (want, _)) in enumerate(zip(items, expected, strict=True)):
-            assert_close(got.float(), want.float(), kind, name=f"output {i} ({features}x{rank}, {rows} rows)")
+            name = f"output {i} ({features}x{rank}, {rows} rows)"
+            if adapter_dtype == torch.float32:
+                assert_close(got.float(), want.float(), kind, name=name)
+                continue
+            # bf16 adapters round lora_A(x) and the update to bf16 after fp32 sums taken in another order (split-K
+            # atomics): a rounding flip moves the update by one bf16 step of the update itself, which can exceed
+            # the tolerance of a small output. Bound: two bf16 steps of the larger term, plus the bf16 atol.
+            delta = (want.float() - before[i].float()).abs()
+            bound = 2**-7 * torch.maximum(before[i].float().abs(), delta) + TOLERANCES["bf16"][1]
+            excess = float(((got.float() - want.float()).abs() - bound).max())
+            assert excess <= 0, f"{name}: off by more than two bf16 steps of its larger term (excess {excess:.3g})"
 
 
 @requires_cuda

@@ -578,7 +578,9 @@ class RolloutEngine:
     @staticmethod
     def _attention_tiles(q: torch.Tensor) -> dict:
         """Decode-attention launch settings by batch size (bench/rollout.py --tune on an H100, W1's shapes)."""
-        return {"block_s": 128, "num_warps": 8} if q.shape[0] <= 64 else {"block_s": 64, "num_warps": 4}
+        if q.shape[0] <= 64 and q.element_size() <= 2:  # fp32 tiles of 128 columns exceed the shared memory
+            return {"block_s": 128, "num_warps": 8}
+        return {"block_s": 64, "num_warps": 4}
 
     def _capture(self, session: _Session) -> None:
         """Warm up (compiles, lazy inits) on a side stream, then capture one decode step."""

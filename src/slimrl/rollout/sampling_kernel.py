@@ -22,8 +22,8 @@ import triton.language as tl
 
 from slimrl.rollout.sampling import SamplingParams
 
-BLOCK = 2048  # logits per loop step of a program
-TARGET_PROGRAMS = 512
+BLOCK = 4096  # logits per loop step of a program
+TARGET_PROGRAMS = 2048  # programs per launch to aim for: many in flight hide the latency of each row slice
 
 
 def applies(params: SamplingParams) -> bool:
