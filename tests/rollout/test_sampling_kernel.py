@@ -39,6 +39,27 @@ def test_kernel_equals_its_plain_statement_given_the_same_uniforms(dtype, params
         assert tokens[1].item() == 17
 
 
+def test_kernel_with_fewer_slices_than_a_power_of_two():
+    """A vocabulary whose slices do not fill the power-of-two tile (W1's 151936 at batch 64 is such a case): the
+    missing slices must not poison the log-probs."""
+    from slimrl.rollout import sampling_kernel
+
+    batch, vocab = 2, 5 * sampling_kernel.BLOCK + 1
+    splits = sampling_kernel.splits_for(batch, vocab)
+    per_split = -(-(-(-vocab // splits)) // sampling_kernel.BLOCK) * sampling_kernel.BLOCK
+    assert -(-vocab // per_split) < splits  # the case at hand
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    logits = torch.randn(batch, vocab, generator=g, device=DEVICE) * 2
+    seed, step = torch.tensor([3], device=DEVICE), torch.tensor([0], device=DEVICE)
+    params = SamplingParams(temperature=1.0)
+    tokens, logprobs = sampling_kernel.choose(logits, params, seed, step)
+    want_tokens, want_logprobs = sampling_kernel.reference_choice(
+        logits, params, sampling_kernel.uniforms(seed, step, batch, vocab)
+    )
+    assert tokens.tolist() == want_tokens.tolist()
+    assert_close(logprobs, want_logprobs, "fp32_sum", name="log-probs")
+
+
 def test_sampled_frequencies_follow_the_softmax():
     from slimrl.rollout import sampling_kernel
 

@@ -92,7 +92,7 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
                                                     s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
         m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + 3 * Q, u3, inv_t, m, s, m_raw,
                                                     s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
-    out = part_ptr + (row * SPLITS + split) * 8
+    out = part_ptr + (row * SPLITS + split) * 8  # SPLITS: the slices launched per row
     tl.store(out + 0, m)
     tl.store(out + 1, s)
     tl.store(out + 2, best)
@@ -102,27 +102,29 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
 
 
 @triton.jit
-def _combine_kernel(part_ptr, logits_ptr, V, inv_t, tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr,
+def _combine_kernel(part_ptr, logits_ptr, V, inv_t, tokens_ptr, logprobs_ptr, USED, SPLITS: tl.constexpr,
                     RAW: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS)
-    base = part_ptr + (row * SPLITS + offs) * 8
-    m = tl.load(base + 0)
-    s = tl.load(base + 1)
-    best = tl.load(base + 2)
+    used = offs < USED  # slices past the row's end were not launched
+    base = part_ptr + (row * USED + offs) * 8
+    m = tl.load(base + 0, mask=used, other=-float("inf"))
+    s = tl.load(base + 1, mask=used, other=0.0)
+    best = tl.load(base + 2, mask=used, other=-float("inf"))
     top = tl.max(best, axis=0)
     winner = tl.argmax(best, axis=0)  # the first slice holding the largest key: first index, as argmax
     pick = offs == winner
-    token = tl.sum(tl.where(pick, tl.load(base + 3), 0.0), axis=0).to(tl.int64)
+    token = tl.sum(tl.where(pick, tl.load(base + 3, mask=used, other=0.0), 0.0), axis=0).to(tl.int64)
     token = tl.where(top > -float("inf"), token, 0)
     raw = tl.load(logits_ptr + row * V + token).to(tl.float32)  # the chosen token's logit
     big = tl.max(m, axis=0)
-    lse = big + tl.log(tl.sum(s * tl.exp(m - big), axis=0))
+    lse = big + tl.log(tl.sum(tl.where(used, s * tl.exp(m - big), 0.0), axis=0))
     logprob = raw * inv_t - lse
     if RAW:
-        m_raw = tl.load(base + 5)
+        m_raw = tl.load(base + 5, mask=used, other=-float("inf"))
         big_raw = tl.max(m_raw, axis=0)
-        lse_raw = big_raw + tl.log(tl.sum(tl.load(base + 6) * tl.exp(m_raw - big_raw), axis=0))
+        terms = tl.load(base + 6, mask=used, other=0.0) * tl.exp(m_raw - big_raw)
+        lse_raw = big_raw + tl.log(tl.sum(tl.where(used, terms, 0.0), axis=0))
         logprob = raw - lse_raw
     tl.store(tokens_ptr + row, token)
     tl.store(logprobs_ptr + row, logprob)
@@ -140,27 +142,18 @@ def choose(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, ste
     batch, vocab = logits.shape
     splits = splits_for(batch, vocab)
     per_split = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
-    parts = torch.empty(batch, splits, 8, dtype=torch.float32, device=logits.device)
+    used = triton.cdiv(vocab, per_split)  # slices whose start is inside the row (an empty one would give NaN)
+    parts = torch.empty(batch, used, 8, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     greedy = params.greedy
     raw = params.logprobs_mode == "raw"
     inv_t = 1.0 if greedy else 1.0 / params.temperature
-    _partial_kernel[(batch, splits)](
-        logits,
-        seed,
-        step,
-        parts,
-        vocab,
-        per_split,
-        _per_row(vocab),
-        inv_t,
-        GREEDY=greedy,
-        RAW=raw,
-        SPLITS=splits,
+    _partial_kernel[(batch, used)](
+        logits, seed, step, parts, vocab, per_split, _per_row(vocab), inv_t, GREEDY=greedy, RAW=raw, SPLITS=used,
         BLOCK=BLOCK,
-    )
-    _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, SPLITS=splits, RAW=raw)
+    )  # fmt: skip
+    _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, used, SPLITS=splits, RAW=raw)
     return tokens, logprobs
 
 
