@@ -5,6 +5,8 @@ Without CUDA the kernels run in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -46,8 +48,8 @@ def test_kernel_with_fewer_slices_than_a_power_of_two():
 
     batch, vocab = 2, 5 * sampling_kernel.BLOCK + 1
     splits = sampling_kernel.splits_for(batch, vocab)
-    per_split = -(-(-(-vocab // splits)) // sampling_kernel.BLOCK) * sampling_kernel.BLOCK
-    assert -(-vocab // per_split) < splits  # the case at hand
+    per_split = math.ceil(math.ceil(vocab / splits) / sampling_kernel.BLOCK) * sampling_kernel.BLOCK
+    assert math.ceil(vocab / per_split) < splits  # the case at hand
     g = torch.Generator(device=DEVICE).manual_seed(1)
     logits = torch.randn(batch, vocab, generator=g, device=DEVICE) * 2
     seed, step = torch.tensor([3], device=DEVICE), torch.tensor([0], device=DEVICE)
