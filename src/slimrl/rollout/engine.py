@@ -593,8 +593,9 @@ class RolloutEngine:
                 self._decode_step(session)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         session.reset_for_capture()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # a fresh private pool: the replaced graph's pool may already be gone with it (reusing that handle trips
+        # the caching allocator), and one graph lives at a time anyway
+        self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._decode_step(session)
