@@ -64,13 +64,15 @@ def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf
             if adapter_dtype == torch.float32:
                 assert_close(got.float(), want.float(), kind, name=name)
                 continue
-            # bf16 adapters round lora_A(x) and the update to bf16 after fp32 sums taken in another order (split-K
-            # atomics): a rounding flip moves the update by one bf16 step of the update itself, which can exceed
-            # the tolerance of a small output. Bound: two bf16 steps of the larger term, plus the bf16 atol.
+            # bf16 adapters round lora_A(x) to bf16. The kernel's fp32 sum before that rounding is exact to ~1e-7;
+            # cuBLAS's differs in the last bits, so a near-tie element can round the other way (seen on the H100:
+            # one element of 76,800), and that step travels through B, the scale and two more bf16 roundings.
+            # Bound: three bf16 steps of the largest of output, update and result, plus the bf16 atol.
             delta = (want.float() - before[i].float()).abs()
-            bound = 2**-7 * torch.maximum(before[i].float().abs(), delta) + TOLERANCES["bf16"][1]
+            largest = torch.maximum(torch.maximum(before[i].float().abs(), delta), want.float().abs())
+            bound = 3 * 2**-8 * largest + TOLERANCES["bf16"][1]
             excess = float(((got.float() - want.float()).abs() - bound).max())
-            assert excess <= 0, f"{name}: off by more than two bf16 steps of its larger term (excess {excess:.3g})"
+            assert excess <= 0, f"{name}: off by more than three bf16 steps of its largest term (excess {excess:.3g})"
 
 
 @requires_cuda
