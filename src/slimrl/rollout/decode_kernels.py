@@ -85,6 +85,29 @@ def _with_bias(acc, b_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr, OUT: tl.constex
 
 
 @triton.jit
+def _base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, b0_ptr, b1_ptr, y0_ptr,
+                  y1_ptr, width, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr,
+                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                  DOT_F32: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
+    """The base projection's outputs at columns offs0 (and offs1 when TWO), rounded as transformers gets them:
+    computed here (GEMM) or loaded from y0/y1 [M, width] (computed by cuBLAS or a module)."""
+    if GEMM:
+        acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc0, acc1 = _gemm_pair(acc0, acc1, x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K,
+                                BK, TWO, EVEN_K, PRECISION, DOT_F32)  # fmt: skip
+        y0 = _with_bias(acc0, b0_ptr, offs0, n_ok, HAS_BIAS, OUT)
+        y1 = _with_bias(acc1, b1_ptr, offs1, n_ok, HAS_BIAS, OUT)
+    else:
+        tile = m_ok[:, None] & n_ok[None, :]
+        y0 = tl.load(y0_ptr + offs_m[:, None] * width + offs0[None, :], mask=tile, other=0.0).to(tl.float32)
+        y1 = y0
+        if TWO:
+            y1 = tl.load(y1_ptr + offs_m[:, None] * width + offs1[None, :], mask=tile, other=0.0).to(tl.float32)
+    return y0, y1
+
+
+@triton.jit
 def _add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
               R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """peft's `result + lora_B(lora_A(x)) * scaling`, rounded to the output dtype; lora_A(x) is the shrink
@@ -116,18 +139,9 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
     m_ok = offs_m < M
     n_ok = offs_n < N
     tile = m_ok[:, None] & n_ok[None, :]
-    if GEMM:
-        acc0 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc0, acc1 = _gemm_pair(acc0, acc1, x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs_n, w1_ptr, offs_n, n_ok, K,
-                                BK, PAIR, EVEN_K, PRECISION, DOT_F32)  # fmt: skip
-        y0 = _with_bias(acc0, b0_ptr, offs_n, n_ok, HAS_BIAS, OUT)
-        y1 = _with_bias(acc1, b1_ptr, offs_n, n_ok, HAS_BIAS, OUT)
-    else:
-        y0 = tl.load(y0_ptr + offs_m[:, None] * N + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
-        y1 = y0
-        if PAIR:
-            y1 = tl.load(y1_ptr + offs_m[:, None] * N + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
+    y0, y1 = _base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs_n, w1_ptr, offs_n, n_ok, b0_ptr, b1_ptr,
+                           y0_ptr, y1_ptr, N, K, BM, BN, BK, PAIR, GEMM, HAS_BIAS, EVEN_K, PRECISION, DOT_F32,
+                           OUT)  # fmt: skip
     if HAS_LORA:
         y0 = _add_lora(y0, ws_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD, ROUND_ADAPTER,
                        PRECISION)  # fmt: skip
@@ -193,16 +207,9 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
     lo = head * D + offs_d  # this head's first and second RoPE halves
     hi = lo + HALF
     all_n = offs_d < HALF
-    if GEMM:
-        acc_lo = tl.zeros((BM, SLICE), dtype=tl.float32)
-        acc_hi = tl.zeros((BM, SLICE), dtype=tl.float32)
-        acc_lo, acc_hi = _gemm_pair(acc_lo, acc_hi, x_ptr, stride_xm, offs_m, m_ok, w_ptr, lo, w_ptr, hi, all_n, K,
-                                    BK, True, EVEN_K, PRECISION, DOT_F32)  # fmt: skip
-        y_lo = _with_bias(acc_lo, b_ptr, lo, all_n, HAS_BIAS, OUT)
-        y_hi = _with_bias(acc_hi, b_ptr, hi, all_n, HAS_BIAS, OUT)
-    else:
-        y_lo = tl.load(y_ptr + offs_m[:, None] * width + lo[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        y_hi = tl.load(y_ptr + offs_m[:, None] * width + hi[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+    y_lo, y_hi = _base_outputs(x_ptr, stride_xm, offs_m, m_ok, w_ptr, lo, w_ptr, hi, all_n, b_ptr, b_ptr, y_ptr,
+                               y_ptr, width, K, BM, SLICE, BK, True, GEMM, HAS_BIAS, EVEN_K, PRECISION, DOT_F32,
+                               OUT)  # fmt: skip
     if HAS_LORA:
         y_lo = _add_lora(y_lo, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
                          ROUND_ADAPTER, PRECISION)  # fmt: skip

@@ -149,22 +149,29 @@ class FusedDecode:
     def _ready(self, x: torch.Tensor) -> bool:
         return lora_kernels.runs_here(x) and x.dim() == 2 and x.stride(-1) == 1
 
+    def _prepare(self, x: torch.Tensor, specs, group: str):
+        """(choice, (weights, biases, outputs), lora) for the group's kernel, or None when it cannot take them."""
+        if not self._ready(x):
+            return None
+        choice = self.choice(group, x.shape[0])
+        base = self._base(x, specs, choice.gemm)
+        if base is None:
+            return None
+        lora = self._lora(x, specs)
+        return None if lora is False else (choice, base, lora)
+
     # -- the operations ------------------------------------------------------------------------------------------
 
     def qkv(self, layer: int, h, specs, q_norm, k_norm, cos, sin) -> torch.Tensor | None:
         context = self.context
-        if context is None or not self._ready(h) or not decode_kernels.can_run_qkv(self.head_dim, h.dtype):
+        if context is None or not decode_kernels.can_run_qkv(self.head_dim, h.dtype):
             return None
         if (q_norm is None) != (k_norm is None):
             return None
-        choice = self.choice("qkv", h.shape[0])
-        base = self._base(h, specs, choice.gemm)
-        if base is None:
+        prepared = self._prepare(h, specs, "qkv")
+        if prepared is None:
             return None
-        lora = self._lora(h, specs)
-        if lora is False:
-            return None
-        weights, biases, outputs = base
+        choice, (weights, biases, outputs), lora = prepared
         norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
         query = torch.empty(h.shape[0], self.heads * self.head_dim, dtype=h.dtype, device=h.device)
         decode_kernels.qkv_rope_cache(
@@ -175,16 +182,10 @@ class FusedDecode:
         return query
 
     def _project(self, x, specs, group: str, pair: bool, next_shrink=None) -> torch.Tensor | None:
-        if not self._ready(x):
+        prepared = self._prepare(x, specs, group)
+        if prepared is None:
             return None
-        choice = self.choice(group, x.shape[0])
-        base = self._base(x, specs, choice.gemm)
-        if base is None:
-            return None
-        lora = self._lora(x, specs)
-        if lora is False:
-            return None
-        weights, biases, outputs = base
+        choice, (weights, biases, outputs), lora = prepared
         width = weights[0].shape[0] if weights is not None else outputs[0].shape[1]
         out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
         return decode_kernels.project(
