@@ -249,7 +249,6 @@ class RolloutEngine:
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids or [0])[0]
         self._generator = torch.Generator(device=self.device)
         self._session: _Session | None = None
-        self._pool = None
         if self.use_compile:
             self._blocks = llama.Blocks(*(_Compiled(fn) for fn in llama.EAGER_BLOCKS))
             self._choose = _Compiled(choose_tokens)
@@ -350,7 +349,6 @@ class RolloutEngine:
             return
         session.free()
         self._session = None
-        self._pool = None
 
     # -- planning ------------------------------------------------------------------------------------------------
 
@@ -593,11 +591,10 @@ class RolloutEngine:
                 self._decode_step(session)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         session.reset_for_capture()
-        # a fresh private pool: the replaced graph's pool may already be gone with it (reusing that handle trips
-        # the caching allocator), and one graph lives at a time anyway
-        self._pool = torch.cuda.graph_pool_handle()
+        # a private pool of its own: the replaced graph's pool may be gone with it (reusing that handle trips the
+        # caching allocator), and one graph lives at a time anyway
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             self._decode_step(session)
         session.graph = graph
         session.graph_bakes_cache = session.step_bakes_cache
