@@ -20,3 +20,10 @@ if __name__ == "__main__":
         logs["num_processes"] = state.num_processes
         with open(out_path, "w") as f:
             json.dump(logs, f)
+    # tear the gloo group down before the interpreter does: left to exit, its threads can be destroyed while still
+    # joinable, and a rank then aborts ("terminate called without an active exception", seen once in CI)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
