@@ -9,10 +9,11 @@ used by the next rollout with no merge, copy or re-capture. Per rollout:
    this rollout's shape and kept until `release()` or a differently shaped rollout;
 2. each decode step (embed, all layers, LM head, logits processing, sampling, bookkeeping) runs on static buffers
    without host syncs; on CUDA it is captured once as a CUDA graph per (batch bucket, cache length, sampling
-   settings) and replayed. On CUDA the step is cut for few launches (`Decoder.forward_grouped`): norms, RoPE and
-   SwiGLU torch.compile'd with the residual adds fused in, cuBLAS for the base projections, two Triton launches
-   per group of projections sharing an input for LoRA (`lora_kernels.py`), one Triton launch per layer for
-   attention over each row's live cache columns (`attention_kernel.py`);
+   settings) and replayed. On CUDA the step is cut for few launches (`Decoder.forward_grouped`): norms
+   torch.compile'd with the residual adds fused in, each layer's projections through `fused_decode` (base GEMM or
+   cuBLAS, LoRA, RoPE, the cache write and SwiGLU fused), one Triton launch per layer for attention over each row's
+   live cache columns (`attention_kernel.py`) and the fused sampler (`sampling_kernel.py`); the cache is reached
+   through an address table, so the graph outlives `release()`;
 3. sequences stop at an EOS / stop token (included in the completion, as vLLM and transformers do), at a stop
    string (the completion ends with the token that completes the string: vLLM keeps that token's id and only trims
    the text), or at their own max token count; finished rows keep running masked until every row is done.
@@ -108,6 +109,7 @@ class _Session:
         self.noise = torch.empty(batch, vocab, dtype=torch.float32, device=device) if plain_noise else None
         self.graph = None
         self.graph_bakes_cache = True  # until a capture shows every cache access went through the table
+        self.step_bakes_cache = True  # what the latest traced decode step did (see `_decode_step`)
         self.fingerprint = None
         self.key = None
 
@@ -430,7 +432,7 @@ class RolloutEngine:
         return session
 
     def _run_wave(self, prompts, limits, params: SamplingParams, stop_ids, stats) -> list:
-        decoder, count = self.decoder, len(prompts)
+        count = len(prompts)
         length = max(len(p) for p in prompts)
         longest = length + max(limits)  # left padding: a short prompt's completion can reach past max_seq_len columns
         seq_len = max(longest, min(self.max_seq_len, SEQ_ROUND * math.ceil(longest / SEQ_ROUND)))
@@ -439,14 +441,9 @@ class RolloutEngine:
 
         if self.use_graphs:
             tick = time.perf_counter()
-            fingerprint = decoder.fingerprint()
-            if session.graph is None or session.graph_bakes_cache:
-                fingerprint += (session.cache.data_ptrs(),)
-            if session.graph is None or session.fingerprint != fingerprint:
+            if session.graph is None or session.fingerprint != self._graph_inputs(session):
                 self._capture(session)
-                if not session.graph_bakes_cache:
-                    fingerprint = decoder.fingerprint()
-                session.fingerprint = fingerprint
+                session.fingerprint = self._graph_inputs(session)
                 stats["captures"] = stats.get("captures", 0) + 1
             stats["capture_s"] += time.perf_counter() - tick
 
@@ -572,6 +569,12 @@ class RolloutEngine:
         self._finish_step(session, decoder.logits(hidden))
         # the cache was reached only through the table: a graph of this step survives a new cache
         session.step_bakes_cache = kernel is None or bool(unfused)
+
+    def _graph_inputs(self, session: _Session) -> tuple:
+        """What the session's graph bakes in: the model's tensors, and the cache's unless it reads them through the
+        table."""
+        cache = (session.cache.data_ptrs(),) if session.graph_bakes_cache else ()
+        return self.decoder.fingerprint() + cache
 
     @staticmethod
     def _attention_tiles(q: torch.Tensor) -> dict:
