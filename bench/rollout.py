@@ -20,6 +20,7 @@ and the kernels of one captured decode step at batch 64 and 256 (profile of grap
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -89,16 +90,22 @@ def weight_bytes(model) -> int:
     return total
 
 
-def engine_run(engine, batch, params, new_tokens):
+def engine_run(engine, batch, params, new_tokens, runs: int = 3):
+    """Tokens/s of a rollout (prefill and decode) after a first call that compiles and captures: the median of
+    `runs` timed rollouts (all of them listed)."""
     prompts = prompts_for(batch)
-    engine.generate(prompts, params, max_new_tokens=new_tokens)  # compile + capture, then the timed run
-    start = sync_time()
-    out = engine.generate(prompts, params, max_new_tokens=new_tokens)
-    seconds = sync_time() - start
+    engine.generate(prompts, params, max_new_tokens=new_tokens)
+    timed = []
+    for _ in range(runs):
+        start = sync_time()
+        out = engine.generate(prompts, params, max_new_tokens=new_tokens)
+        timed.append((sync_time() - start, out))
+    seconds, out = sorted(timed, key=lambda t: t[0])[runs // 2]
     tokens = sum(len(c) for c in out.completion_ids)
     stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.stats.items()}
     step_ms = 1000 * out.stats["decode_s"] / max(1, out.stats["decode_steps"])
-    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens,
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "runs_s": [round(t, 3) for t, _ in timed],
+            "tokens": tokens,
             "decode_step_ms": round(step_ms, 3), "stats": stats,
             "kv_cache_GiB": round(engine._session.cache.nbytes / 2**30, 3)}  # fmt: skip
 
@@ -232,12 +239,24 @@ def kernel_self_check() -> dict:
     return report
 
 
-TUNE_CANDIDATES = {  # (gemm, block_n, block_k, num_warps, num_stages); for qkv block_n = columns per RoPE half
-    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 32, 64, 4, 4)],
-    "o": [(True, 16, 128, 4, 4), (True, 16, 256, 4, 3), (True, 64, 128, 4, 3)],
-    "gate_up": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 64, 64, 4, 3), (True, 64, 64, 4, 4),
-                (True, 64, 64, 8, 3), (False, 128, 64, 4, 3)],
-    "down": [(True, 32, 128, 4, 4), (False, 64, 64, 4, 3)],
+# (gemm, block_n, block_k, num_warps, num_stages[, block_m, per_sm]); for qkv block_n = columns per RoPE half.
+# block_m 0 = up to 64 rows by the row count; per_sm > 0 spreads the columns over that many programs per SM.
+# (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); 0 = the default
+TUNE_CANDIDATES = {
+    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 16, 128, 4, 3, 0, 0, 2),
+            (True, 16, 128, 4, 3, 0, 0, 3), (True, 16, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2),
+            (True, 32, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4), (True, 32, 64, 4, 4, 0, 0, 3)],
+    "o": [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3), (True, 16, 128, 4, 4, 0, 0, 2), (True, 16, 128, 4, 4, 0, 0, 3),
+          (True, 16, 128, 4, 4, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2), (True, 32, 128, 4, 3, 0, 0, 4),
+          (True, 64, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4)],
+    "gate_up": [(True, 64, 64, 4, 4), (True, 64, 64, 4, 3, 0, 2), (False, 128, 64, 4, 3), (False, 64, 64, 4, 3),
+                (True, 64, 64, 4, 4, 0, 0, 2), (True, 64, 64, 4, 4, 0, 0, 3), (True, 32, 64, 4, 4, 0, 0, 2),
+                (True, 32, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 2), (True, 128, 64, 8, 3, 0, 0, 2),
+                (True, 128, 64, 8, 3, 0, 0, 4), (True, 64, 64, 8, 3, 0, 0, 2)],
+    "down": [(False, 64, 64, 4, 3), (False, 32, 64, 4, 3), (True, 16, 128, 4, 4, 0, 0, 4),
+             (True, 16, 128, 4, 4, 0, 0, 8), (True, 32, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 8),
+             (True, 64, 128, 4, 3, 0, 0, 8), (True, 32, 64, 4, 4, 0, 0, 8), (True, 64, 64, 4, 4, 0, 0, 4),
+             (True, 64, 128, 4, 3, 0, 0, 4)],
 }  # fmt: skip
 ATTENTION_CANDIDATES = [(64, 4), (128, 4), (128, 8), (32, 4)]  # (block_s, num_warps)
 
@@ -270,7 +289,7 @@ def fused_calls(model, rows: int, choices, cache_len: int = 512):
     anchor = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
     table = torch.tensor(table_entries(cache, anchor), device="cuda")
     column = torch.tensor([300], device="cuda")
-    ops.bind(StepContext(table, anchor, column, cache_len))
+    ops.bind(StepContext(table, anchor, column, cache_len, ops.new_scratch()))
 
     def run(fn):
         def call():
@@ -282,7 +301,7 @@ def fused_calls(model, rows: int, choices, cache_len: int = 512):
     calls = {
         "qkv": run(lambda: ops.qkv(0, h, qkv, None, None, cos, sin)),
         "o": run(lambda: ops.linear(h, o, "o")),
-        "gate_up": run(lambda: ops.gate_up(h, *gate_up)),
+        "gate_up": run(lambda: ops.gate_up(h, *gate_up, down)),  # as the engine calls it: with down's shrink
         "down": run(lambda: ops.linear(act, down, "down")),
     }
     ref_cache = StaticKVCache(1, rows, 2, cache_len, 128, torch.bfloat16, "cuda")
@@ -299,26 +318,30 @@ def fused_calls(model, rows: int, choices, cache_len: int = 512):
     return calls, reference, cache
 
 
-def fused_self_check(model) -> dict:
+def fused_error(group: str, call, reference, cache) -> float:
+    """Largest error of one fused op's output(s) over the largest reference magnitude."""
+    with torch.no_grad():
+        got = call()
+    if group == "qkv":
+        got, want = (got, cache.keys[0], cache.values[0]), reference[group]
+    else:
+        got, want = (got,), (reference[group],)
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+               for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
+def fused_self_check(model, choices=None) -> dict:
     """Each fused op against the unfused path at W1's shapes, 8 / 64 / 256 rows: largest error over the largest
-    reference magnitude (bf16 with TF32 adapters: expect under 2e-2)."""
+    reference magnitude (bf16 with TF32 adapters: expect under 2e-2). choices: default_choices() when None."""
     from slimrl.rollout.fused_decode import default_choices
 
     report, worst = {}, 0.0
     for rows in (8, 64, 256):
-        calls, reference, cache = fused_calls(model, rows, default_choices())
-        with torch.no_grad():
-            for group, call in calls.items():
-                got = call()
-                if group == "qkv":
-                    got = (got, cache.keys[0], cache.values[0])
-                else:
-                    got, want = (got,), (reference[group],)
-                want = reference[group] if group == "qkv" else want
-                err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                          for a, b in zip(got, want, strict=True))  # fmt: skip
-                report[f"{group}_B{rows}"] = round(err, 5)
-                worst = max(worst, err)
+        calls, reference, cache = fused_calls(model, rows, choices or default_choices())
+        for group, call in calls.items():
+            err = fused_error(group, call, reference, cache)
+            report[f"{group}_B{rows}"] = round(err, 5)
+            worst = max(worst, err)
     report["worst_relative_error"] = round(worst, 5)
     report["ok"] = worst < 2e-2
     return report
@@ -343,8 +366,8 @@ def sampling_self_check() -> dict:
     return report
 
 
-def tune(model, groups=("attention", *TUNE_CANDIDATES)) -> dict:
-    """Time each group's fused op for every candidate setting at 8 / 64 / 256 rows (CUDA-graph replays)."""
+def tune(model, groups=("attention", *TUNE_CANDIDATES), row_counts=(8, 64, 256)) -> dict:
+    """Time each group's fused op for every candidate setting at these row counts (CUDA-graph replays)."""
     from triton.testing import do_bench_cudagraph
 
     from slimrl.rollout.attention_kernel import decode_attention
@@ -369,21 +392,40 @@ def tune(model, groups=("attention", *TUNE_CANDIDATES)) -> dict:
             except Exception as err:  # noqa: BLE001
                 report[key] = f"ERR {type(err).__name__}: {str(err)[:120]}"
             print(key, report[key], flush=True)
-    for rows in (8, 64, 256):
+    best = {}
+    for rows in row_counts:
         for group, candidates in ((g, c) for g, c in TUNE_CANDIDATES.items() if g in groups):
-            for gemm, block_n, block_k, warps, stages in candidates:
+            for candidate in candidates:
+                gemm, block_n, block_k, warps, stages, block_m, per_sm, split_k = (*candidate, 0, 0, 1)[:8]
                 choices = default_choices()
-                choice = KernelChoice(gemm, block_n or 32, block_k, warps, stages)
+                choice = KernelChoice(gemm, block_n or 32, block_k, warps, stages, block_m, per_sm, split_k)
                 choices[group] = {bucket: choice for bucket in ROW_BUCKETS}
-                calls, _, _ = fused_calls(model, rows, choices)
-                key = f"{group}_B{rows}_{'gemm' if gemm else 'cublas'}_n{block_n}_k{block_k}_w{warps}_s{stages}"
+                calls, reference, cache = fused_calls(model, rows, choices)
+                key = (f"{group}_B{rows}_{'gemm' if gemm else 'cublas'}_n{block_n}_k{block_k}_w{warps}_s{stages}"
+                       f"_m{block_m}_p{per_sm}_x{split_k}")  # fmt: skip
                 try:
+                    error = fused_error(group, calls[group], reference, cache)
                     with torch.no_grad():
                         report[key] = round(1000 * do_bench_cudagraph(calls[group], rep=30), 2)  # microseconds
+                    if error >= 2e-2:  # a wrong kernel is no candidate, however fast
+                        report[key] = f"WRONG relative error {error:.3g} ({report[key]} us)"
                 except Exception as err:  # noqa: BLE001 - a setting that does not compile is reported
                     report[key] = f"ERR {type(err).__name__}: {str(err)[:120]}"
                 print(key, report[key], flush=True)
-    return report
+                bucket = min(b for b in ROW_BUCKETS if b >= rows)
+                if isinstance(report[key], float) and report[key] < best.get((group, bucket), (float("inf"),))[0]:
+                    best[group, bucket] = (report[key], choice)
+    return report, best
+
+
+def tuned_choices(best) -> dict:
+    """The default choices with each timed (group, row bucket) replaced by its fastest candidate."""
+    from slimrl.rollout.fused_decode import default_choices
+
+    choices = default_choices()
+    for (group, bucket), (_, choice) in best.items():
+        choices[group][bucket] = choice
+    return choices
 
 
 def prefill_profile(engine, batch: int) -> dict:
@@ -420,6 +462,7 @@ def main(argv=None):
         metavar="GROUP",
         help="time the fused kernels' candidate settings first (all groups, or those named)",
     )
+    parser.add_argument("--tune-rows", type=int, nargs="+", default=[8, 64, 256], help="row counts to tune at")
     args = parser.parse_args(argv)
 
     import peft
@@ -463,8 +506,16 @@ def main(argv=None):
         check["sampling"] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
         traceback.print_exc()
     save()
+    tuned = None
     if args.tune is not None:
-        result["tune_us"] = tune(model, args.tune or ("attention", *TUNE_CANDIDATES))
+        result["tune_us"], best = tune(model, args.tune or ("attention", *TUNE_CANDIDATES), args.tune_rows)
+        if best:
+            tuned = tuned_choices(best)
+            result["tuned_choices"] = {f"{g}_{b}": dataclasses.asdict(c) for g, bs in tuned.items() for b, c in
+                                       bs.items()}  # fmt: skip
+            check["fused_tuned"] = fused_self_check(model, tuned)
+            if not check["fused_tuned"]["ok"]:  # reported; the engine keeps the defaults
+                tuned = None
         save()
     engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
                            triton_attention=check["attention_ok"], fused_decode=fused_ok,
@@ -491,6 +542,15 @@ def main(argv=None):
         save()
 
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
+    if tuned is not None and engine._fused is not None and "engine" not in args.skip:
+        # the shipped defaults first, then the engine on the settings just tuned (a fresh engine: graphs bake them)
+        result["engine_default_choices"] = {f"B{b}": engine_run(engine, b, params, NEW) for b in args.batches}
+        engine.release(keep_graph=False)
+        engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
+                               triton_attention=check["attention_ok"], fused_decode=fused_ok,
+                               fused_sampling=check["sampling"]["ok"])  # fmt: skip
+        engine._fused.choices = tuned
+        save()
     if "engine" not in args.skip:
         result["engine"] = {}
         for batch in args.batches:

@@ -107,6 +107,7 @@ class _Session:
         self.seed = torch.zeros(1, **long)
         plain_noise = not params.greedy and not fused_sampling
         self.noise = torch.empty(batch, vocab, dtype=torch.float32, device=device) if plain_noise else None
+        self.scratch = None  # the fused kernels' split-K scratch, kept with the graph that bakes its address
         self.graph = None
         self.graph_bakes_cache = True  # until a capture shows every cache access went through the table
         self.step_bakes_cache = True  # what the latest traced decode step did (see `_decode_step`)
@@ -561,7 +562,9 @@ class RolloutEngine:
         if self._grouped is not None:
             ops = self._grouped
             if self._fused is not None:
-                context = StepContext(session.table, session.anchor, session.column, session.seq_len)
+                if session.scratch is None:
+                    session.scratch = self._fused.new_scratch()
+                context = StepContext(session.table, session.anchor, session.column, session.seq_len, session.scratch)
                 ops = ops._replace(fused=self._fused.bind(context))
             hidden = decoder.forward_grouped(session.tokens, cos, sin, attend, ops, self.use_compile)
         else:

@@ -9,7 +9,8 @@ and the forward then takes its unfused path for that group, which is the referen
 - `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates.
 
 LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `lora_kernels.shrink_` in one
-launch; the kernels here add `B · scale` in their epilogue. Base weights are multiplied by the kernels themselves
+launch (for down, from the gate/up kernel, which makes its input); the kernels here add `B · scale` in their
+epilogue. Base weights are multiplied by the kernels themselves
 (`gemm` per group) or by the modules / cuBLAS before the epilogue kernel (bitsandbytes layers, and groups where
 cuBLAS is faster). The cache is addressed through `table` (see `decode_kernels`).
 """
@@ -32,13 +33,19 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 class KernelChoice:
     """Launch settings of one projection group: whether the Triton kernel does the base GEMM (else cuBLAS or the
     module does, and the kernel runs the epilogue), its output-column tile (for q/k/v: columns of each RoPE half
-    per program), K step, warps and pipeline stages."""
+    per program), K step, warps and pipeline stages; rows per program (0: up to 64 by the row count) and, for the
+    projections, programs per SM to spread the columns over (0: whole tiles; see `decode_kernels.tile_columns`);
+    and programs sharing each tile's K (split-K, with the kernel's own GEMM during a decode step; see
+    `decode_kernels._split_gemm`)."""
 
     gemm: bool = True
     block_n: int = 32
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 0
+    per_sm: int = 0
+    split_k: int = 1
 
 
 # settings are chosen per row count: decode batches of up to 16, 64 and 256 rows, and prefill blocks beyond
@@ -47,8 +54,9 @@ ROW_BUCKETS = (16, 64, 256, 1 << 30)
 
 def default_choices() -> dict[str, dict[int, KernelChoice]]:
     """Per group and row bucket: the fastest candidates of `bench/rollout.py --tune` on an H100 with W1's shapes
-    (docs/bench/w2_tune.json). cuBLAS keeps the long-K down projection at every size, gate/up from 256 rows, and
-    every base GEMM of a prefill (then only the epilogue is ours); the fused kernels win where launches dominate."""
+    (docs/bench/w2_tune.json). cuBLAS keeps the long-K down projection at every size and every base GEMM of a
+    prefill (then only the epilogue is ours); the fused kernels win where launches dominate. Split-K did not win
+    anywhere it was timed (its partial sums cost more than the shorter K loop saves) and is off by default."""
     cublas = KernelChoice(gemm=False, block_n=64)
     return {
         "qkv": {
@@ -66,10 +74,15 @@ def default_choices() -> dict[str, dict[int, KernelChoice]]:
         "gate_up": {
             16: KernelChoice(gemm=True, block_n=32, block_k=128),
             64: KernelChoice(gemm=True, block_n=64, block_k=64, num_stages=4),
-            256: KernelChoice(gemm=False, block_n=128),
+            256: KernelChoice(gemm=True, block_n=64, block_k=64, per_sm=2),
             1 << 30: KernelChoice(gemm=False, block_n=128),
         },
-        "down": {bucket: replace(cublas) for bucket in ROW_BUCKETS},
+        "down": {
+            16: replace(cublas),
+            64: replace(cublas, block_n=32),
+            256: replace(cublas, block_n=32),
+            1 << 30: replace(cublas),
+        },  # fmt: skip
     }
 
 
@@ -82,7 +95,7 @@ class FusedDecode:
     tf32: bool = True
     choices: dict = field(default_factory=default_choices)
     context: StepContext | None = None
-    # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, A, workspace [1, M, R_PAD])
+    # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, (A,), workspace [1, M, R_PAD])
     _shrunk: tuple | None = None
 
     def choice(self, group: str, rows: int) -> KernelChoice:
@@ -93,11 +106,19 @@ class FusedDecode:
         self.context = context
         return self
 
+    @staticmethod
+    def new_scratch() -> decode_kernels.SplitScratch:
+        """Scratch for the split-K launches of the decode steps bound to it (`StepContext.scratch`)."""
+        return decode_kernels.SplitScratch()
+
+    def _scratch(self):
+        return None if self.context is None else self.context.scratch
+
     # -- the pieces ----------------------------------------------------------------------------------------------
 
-    def _lora(self, x: torch.Tensor, specs):
-        """(workspace, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when
-        none has an adapter, False when the kernels cannot take them."""
+    def _adapters(self, x: torch.Tensor, specs):
+        """(As, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when none has
+        an adapter, False when the kernels cannot take them."""
         counts = {len(s.loras) for s in specs}
         if counts == {0}:
             return None
@@ -116,10 +137,20 @@ class FusedDecode:
                 return False
             if not (a.is_contiguous() and b.is_contiguous()):
                 return False
-        scales = [s.loras[0][2] for s in specs]
+        return lora_as, lora_bs, [s.loras[0][2] for s in specs]
+
+    def _lora(self, x: torch.Tensor, specs):
+        """(workspace, Bs, scales) for the kernels' LoRA epilogue (`_adapters`' None or False otherwise); the
+        shrink comes from the launch before when that one computed it for this input and these adapters."""
+        adapters = self._adapters(x, specs)
+        if not adapters:
+            return adapters
+        lora_as, lora_bs, scales = adapters
         shrunk, self._shrunk = self._shrunk, None
-        if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
-            return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
+        if shrunk is not None and shrunk[0] is x and len(shrunk[1]) == len(lora_as):
+            if all(a is b for a, b in zip(shrunk[1], lora_as, strict=True)):
+                return shrunk[2], lora_bs, scales
+        rank = lora_as[0].shape[0]
         padded = lora_kernels.padded_rank(rank)
         workspace = self.lora.take(len(specs) * x.shape[0] * padded, rank)
         workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32)
@@ -178,6 +209,7 @@ class FusedDecode:
             h, weights, biases, outputs, lora, norms, cos, sin, query, context.table, context.anchor, layer,
             context.column, context.cache_len, self.heads, self.kv_heads, self.head_dim, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages, slice_cols=choice.block_n,
+            block_m=choice.block_m, split_k=choice.split_k, scratch=self._scratch(),
         )  # fmt: skip
         return query
 
@@ -192,6 +224,7 @@ class FusedDecode:
             x, weights, biases, outputs, lora, out, pair, block_n=choice.block_n, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
             next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
+            block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k, scratch=self._scratch(),
         )  # fmt: skip
 
     def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
@@ -214,5 +247,5 @@ class FusedDecode:
                     next_shrink = (lora_a, workspace.view(1, h.shape[0], padded))
         act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
         if act is not None and next_shrink is not None:
-            self._shrunk = (act, next_shrink[0], next_shrink[1])
+            self._shrunk = (act, (next_shrink[0],), next_shrink[1])
         return act

@@ -6,7 +6,8 @@ sampling is "pick argmax(z - log E) with z = logits / T and E ~ Exp(1) i.i.d." (
 z_i - logsumexp(z). The plain path materialises a [B, V] fp32 noise tensor outside the graph and runs several passes
 over fp32 copies of the logits; here each program streams a slice of a row once, drawing its Exp(1) variates in
 registers with Philox (keyed by the rollout's seed and the step; one call gives the uniforms of four columns), a running
-logsumexp and the best candidate; a second launch combines the slices of each row.
+logsumexp and the best candidate, both kept per lane (one cross-warp reduction per 4,096 logits for the running max,
+the rest at the end); a second launch combines the slices of each row.
 
 Same distribution as the plain path, not the same draws (another generator). Greedy (T = 0) takes the first
 largest logit, as `argmax` does, and reports z - logsumexp(z) of the unscaled logits, as `choose_tokens` does.
@@ -37,27 +38,27 @@ def applies(params: SamplingParams) -> bool:
 
 
 @triton.jit
-def _visit(logits_ptr, row, V, limit, base, u, inv_t, m, s, m_raw, s_raw, best, best_idx, Q: tl.constexpr,
-           GREEDY: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
-    """One tile of Q logits [base, base + Q) of the row: update the running logsumexp(s) and the best key."""
-    cols = base + tl.arange(0, Q)
+def _quarter(logits_ptr, row, V, limit, cols, u, inv_t, best, best_idx, GREEDY: tl.constexpr):
+    """One lane-wise step over Q logits: their raw values and z = raw / T (-inf outside the slice), and each lane's
+    best key so far (strictly larger keys replace it, so a lane keeps the first column of its largest key)."""
     ok = (cols < V) & (cols < limit)
     raw = tl.load(logits_ptr + row * V + cols, mask=ok, other=-float("inf")).to(tl.float32)
     z = raw * inv_t
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    s = s * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), axis=0)
-    if RAW:
-        mr_new = tl.maximum(m_raw, tl.max(raw, axis=0))
-        s_raw = s_raw * tl.exp(m_raw - mr_new) + tl.sum(tl.where(ok, tl.exp(raw - mr_new), 0.0), axis=0)
-        m_raw = mr_new
     if GREEDY:
         key = z
     else:  # z + Gumbel = z - log(E), E = -log(U) ~ Exp(1); U = 0 gives E = inf, a key of -inf: never chosen
         key = z - tl.log(-tl.log(u))
     key = tl.where(ok, key, -float("inf"))
-    top = tl.max(key, axis=0)
-    best_idx = tl.where(top > best, base + tl.argmax(key, axis=0), best_idx)
-    return m_new, s, m_raw, s_raw, tl.maximum(best, top), best_idx
+    take = key > best
+    return raw, z, tl.where(take, key, best), tl.where(take, cols, best_idx)
+
+
+@triton.jit
+def _sum_exp(m, s, a, b, c, d):
+    """Running logsumexp over lanes: the max m is shared (one reduction per block), the sums s stay per lane."""
+    m_new = tl.maximum(m, tl.max(tl.maximum(tl.maximum(a, b), tl.maximum(c, d)), axis=0))
+    s = s * tl.exp(m - m_new) + tl.exp(a - m_new) + tl.exp(b - m_new) + tl.exp(c - m_new) + tl.exp(d - m_new)
+    return m_new, s
 
 
 @triton.jit
@@ -70,12 +71,14 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
     seed = tl.load(seed_ptr) + tl.load(step_ptr)  # a new Philox key per step
     start = split * per_split
     limit = start + per_split
-    m = tl.full([], -float("inf"), tl.float32)  # running max and sum of exp of z = logits / T (log-probability)
-    s = tl.zeros([], tl.float32)
+    lanes = tl.arange(0, Q)
+    # state is kept per lane and reduced once at the end; only the running max is shared, once per block
+    m = tl.full([], -float("inf"), tl.float32)  # max of z = logits / T so far, and per lane sum of exp(z - m)
+    s = tl.zeros([Q], tl.float32)
     m_raw = tl.full([], -float("inf"), tl.float32)  # the same over the raw logits ("raw" log-probs)
-    s_raw = tl.zeros([], tl.float32)
-    best = tl.full([], -float("inf"), tl.float32)
-    best_idx = tl.zeros([], tl.int32)
+    s_raw = tl.zeros([Q], tl.float32)
+    best = tl.full([Q], -float("inf"), tl.float32)
+    best_idx = tl.zeros([Q], tl.int32)
     for v0 in range(start, limit, BLOCK):
         if GREEDY:
             u0 = tl.zeros([Q], tl.float32)
@@ -83,22 +86,27 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
             u2 = u0
             u3 = u0
         else:  # counters row * per_row + v0 / 4 + i: distinct for every (row, block, lane)
-            u0, u1, u2, u3 = tl.rand4x(seed, row * per_row + v0 // 4 + tl.arange(0, Q))
-        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0, u0, inv_t, m, s, m_raw, s_raw,
-                                                    best, best_idx, Q, GREEDY, RAW)  # fmt: skip
-        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + Q, u1, inv_t, m, s, m_raw,
-                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
-        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + 2 * Q, u2, inv_t, m, s, m_raw,
-                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
-        m, s, m_raw, s_raw, best, best_idx = _visit(logits_ptr, row, V, limit, v0 + 3 * Q, u3, inv_t, m, s, m_raw,
-                                                    s_raw, best, best_idx, Q, GREEDY, RAW)  # fmt: skip
+            u0, u1, u2, u3 = tl.rand4x(seed, row * per_row + v0 // 4 + lanes)
+        r0, z0, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + lanes, u0, inv_t, best, best_idx, GREEDY)
+        r1, z1, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + Q + lanes, u1, inv_t, best, best_idx,
+                                          GREEDY)  # fmt: skip
+        r2, z2, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + 2 * Q + lanes, u2, inv_t, best, best_idx,
+                                          GREEDY)  # fmt: skip
+        r3, z3, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + 3 * Q + lanes, u3, inv_t, best, best_idx,
+                                          GREEDY)  # fmt: skip
+        m, s = _sum_exp(m, s, z0, z1, z2, z3)
+        if RAW:
+            m_raw, s_raw = _sum_exp(m_raw, s_raw, r0, r1, r2, r3)
+    top = tl.max(best, axis=0)
+    # the first column holding the largest key, as argmax (V fits: V < 2**31)
+    first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
     out = part_ptr + (row * SPLITS + split) * 8  # SPLITS: the slices launched per row
     tl.store(out + 0, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, best)
-    tl.store(out + 3, best_idx.to(tl.float32))  # exact: V < 2**24
+    tl.store(out + 1, tl.sum(s, axis=0))
+    tl.store(out + 2, top)
+    tl.store(out + 3, first.to(tl.float32))  # exact: V < 2**24
     tl.store(out + 5, m_raw)
-    tl.store(out + 6, s_raw)
+    tl.store(out + 6, tl.sum(s_raw, axis=0))
 
 
 @triton.jit
