@@ -9,8 +9,7 @@ and the forward then takes its unfused path for that group, which is the referen
 - `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates.
 
 LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `lora_kernels.shrink_` in one
-launch (for down, from the gate/up kernel, which makes its input); the kernels here add `B · scale` in their
-epilogue. Base weights are multiplied by the kernels themselves
+launch; the kernels here add `B · scale` in their epilogue. Base weights are multiplied by the kernels themselves
 (`gemm` per group) or by the modules / cuBLAS before the epilogue kernel (bitsandbytes layers, and groups where
 cuBLAS is faster). The cache is addressed through `table` (see `decode_kernels`).
 """
@@ -56,7 +55,7 @@ def default_choices() -> dict[str, dict[int, KernelChoice]]:
     """Per group and row bucket: the fastest candidates of `bench/rollout.py --tune` on an H100 with W1's shapes
     (docs/bench/w2_tune.json). cuBLAS keeps the long-K down projection at every size and every base GEMM of a
     prefill (then only the epilogue is ours); the fused kernels win where launches dominate. Split-K did not win
-    anywhere it was timed (its partial sums cost more than the shorter K loop saves) and is off by default."""
+    anywhere it was timed (docs/bench/w2_tune_split_k.json) and is off by default."""
     cublas = KernelChoice(gemm=False, block_n=64)
     return {
         "qkv": {
@@ -82,7 +81,7 @@ def default_choices() -> dict[str, dict[int, KernelChoice]]:
             64: replace(cublas, block_n=32),
             256: replace(cublas, block_n=32),
             1 << 30: replace(cublas),
-        },  # fmt: skip
+        },
     }
 
 
@@ -95,7 +94,7 @@ class FusedDecode:
     tf32: bool = True
     choices: dict = field(default_factory=default_choices)
     context: StepContext | None = None
-    # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, (A,), workspace [1, M, R_PAD])
+    # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, A, workspace [1, M, R_PAD])
     _shrunk: tuple | None = None
 
     def choice(self, group: str, rows: int) -> KernelChoice:
@@ -116,9 +115,9 @@ class FusedDecode:
 
     # -- the pieces ----------------------------------------------------------------------------------------------
 
-    def _adapters(self, x: torch.Tensor, specs):
-        """(As, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when none has
-        an adapter, False when the kernels cannot take them."""
+    def _lora(self, x: torch.Tensor, specs):
+        """(workspace, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when
+        none has an adapter, False when the kernels cannot take them."""
         counts = {len(s.loras) for s in specs}
         if counts == {0}:
             return None
@@ -137,20 +136,10 @@ class FusedDecode:
                 return False
             if not (a.is_contiguous() and b.is_contiguous()):
                 return False
-        return lora_as, lora_bs, [s.loras[0][2] for s in specs]
-
-    def _lora(self, x: torch.Tensor, specs):
-        """(workspace, Bs, scales) for the kernels' LoRA epilogue (`_adapters`' None or False otherwise); the
-        shrink comes from the launch before when that one computed it for this input and these adapters."""
-        adapters = self._adapters(x, specs)
-        if not adapters:
-            return adapters
-        lora_as, lora_bs, scales = adapters
+        scales = [s.loras[0][2] for s in specs]
         shrunk, self._shrunk = self._shrunk, None
-        if shrunk is not None and shrunk[0] is x and len(shrunk[1]) == len(lora_as):
-            if all(a is b for a, b in zip(shrunk[1], lora_as, strict=True)):
-                return shrunk[2], lora_bs, scales
-        rank = lora_as[0].shape[0]
+        if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
+            return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
         padded = lora_kernels.padded_rank(rank)
         workspace = self.lora.take(len(specs) * x.shape[0] * padded, rank)
         workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32)
@@ -247,5 +236,5 @@ class FusedDecode:
                     next_shrink = (lora_a, workspace.view(1, h.shape[0], padded))
         act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
         if act is not None and next_shrink is not None:
-            self._shrunk = (act, (next_shrink[0],), next_shrink[1])
+            self._shrunk = (act, next_shrink[0], next_shrink[1])
         return act
