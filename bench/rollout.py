@@ -12,7 +12,9 @@ no EOS; batch 8, 64, 256. Reported, in tokens/second (generated tokens / wall ti
            context of the rollout (prompt + half the completion)
 Also: a self-check of the engine's Triton kernels against their references (a failing one is turned off before
 timing), greedy output of the engine vs `generate` greedy on the first 64 tokens (bf16, and fp32 with --fp32-check),
-and the kernels of one captured decode step at batch 64 and 256 (profile of graph replays).
+and the kernels of one captured decode step at batch 64 and 256 (profile of graph replays; with programmatic dependent
+launch a kernel's time includes its wait for the one before, so the sum exceeds the step). --variants times the
+engine again with other settings (default: pdl=0, ordinary launches), each in a fresh engine.
 
     python bench/rollout.py [$OUT/rollout.json] [--batches 8 64 256] [--baseline-tokens 64] [--skip hf cb]
 """
@@ -20,6 +22,8 @@ and the kernels of one captured decode step at batch 64 and 256 (profile of grap
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -428,6 +432,31 @@ def tuned_choices(best) -> dict:
     return choices
 
 
+@contextlib.contextmanager
+def engine_variant(variant: str, tuned):
+    """Settings of one `--variants` entry for the engines built inside; yields their kernel choices. Keys: pdl
+    (`pdl.MODE`), GROUP.FIELD or GROUP@ROWS.FIELD (a `KernelChoice` field, in every decode row bucket or one)."""
+    from slimrl.rollout import pdl
+    from slimrl.rollout.fused_decode import default_choices
+
+    saved = pdl.MODE
+    choices = copy.deepcopy(tuned) if tuned is not None else default_choices()
+    try:
+        for item in filter(None, variant.split(",")):
+            key, value = item.split("=")
+            if key == "pdl":
+                pdl.MODE = int(value)
+                continue
+            target, field = key.split(".")
+            group, _, rows = target.partition("@")
+            buckets = [int(rows)] if rows else [b for b in choices[group] if b <= 256]
+            for bucket in buckets:
+                setattr(choices[group][bucket], field, int(value))
+        yield choices
+    finally:
+        pdl.MODE = saved
+
+
 def prefill_profile(engine, batch: int) -> dict:
     """Kernels of one prefill of `batch` 256-token prompts (a rollout of one new token), by GPU time."""
     from torch.profiler import ProfilerActivity, profile
@@ -452,7 +481,7 @@ def main(argv=None):
     parser.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "rollout.json"))
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--baseline-tokens", type=int, default=64)
-    sections = ["hf", "cb", "greedy", "profile", "engine", "ungrouped", "unfused", "reuse", "prefill"]
+    sections = ["hf", "cb", "greedy", "profile", "engine", "variants", "ungrouped", "unfused", "reuse", "prefill"]
     parser.add_argument("--skip", nargs="*", default=[], choices=sections)
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
     parser.add_argument(
@@ -463,11 +492,19 @@ def main(argv=None):
         help="time the fused kernels' candidate settings first (all groups, or those named)",
     )
     parser.add_argument("--tune-rows", type=int, nargs="+", default=[8, 64, 256], help="row counts to tune at")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=["pdl=0"],
+        help="engine settings to time beside the defaults, each KEY=VALUE[,KEY=VALUE]: pdl (pdl.MODE: 0 ordinary "
+        "launches), GROUP[@ROWS].FIELD (a KernelChoice field of the fused kernels, e.g. down@64.gemm=1)",
+    )
     args = parser.parse_args(argv)
 
     import peft
     import transformers
 
+    from slimrl.rollout import pdl
     from slimrl.rollout.engine import RolloutEngine
     from slimrl.rollout.sampling import SamplingParams
 
@@ -524,7 +561,8 @@ def main(argv=None):
                                "triton_attention": engine._attention_kernel is not None,
                                "fused_decode": engine._fused is not None,
                                "fused_sampling": engine._sampling_kernel is not None,
-                               "cuda_graphs": engine.use_graphs, "compile": engine.use_compile}  # fmt: skip
+                               "cuda_graphs": engine.use_graphs, "compile": engine.use_compile,
+                               "pdl_mode": pdl.options(torch.device("cuda"))["PDL"] if fused_ok else 0}  # fmt: skip
     kv_per_token = 2 * 28 * 2 * 128 * 2
     result["roofline"] = {}
     for batch in args.batches:
@@ -564,6 +602,26 @@ def main(argv=None):
             save()
         compiled = [*engine._blocks, engine._choose, *(engine._grouped[:4] if engine._grouped else [])]
         result["engine_compile_failed"] = [getattr(f, "failed", None) for f in compiled]
+    if "variants" not in args.skip and engine._fused is not None and args.variants:
+        engine.release(keep_graph=False)
+        result["engine_variants"] = {}
+        for variant in args.variants:
+            result["engine_variants"][variant] = timed = {}
+            try:
+                with engine_variant(variant, tuned) as choices:
+                    other = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
+                                          triton_attention=check["attention_ok"], fused_decode=fused_ok,
+                                          fused_sampling=check["sampling"]["ok"])  # fmt: skip
+                    other._fused.choices = choices
+                    for batch in args.batches:
+                        timed[f"B{batch}"] = engine_run(other, batch, params, NEW)
+                        save()
+                    other.release(keep_graph=False)
+                    del other
+            except Exception as err:  # noqa: BLE001 - a failing variant is reported, the others still run
+                timed["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                traceback.print_exc()
+            save()
     if "reuse" not in args.skip and engine._fused is not None:
 
         def reuse():

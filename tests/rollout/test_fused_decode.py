@@ -217,6 +217,43 @@ def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split
         assert held[1].numel() > 0 and not held[1].any(), "a tile's arrival count was left non-zero"
 
 
+@pytest.mark.parametrize(
+    "dtype, weight_dtype, kind",
+    [(torch.float32, torch.float32, "fp32_sum"), (torch.bfloat16, torch.bfloat16, "bf16"),
+     (torch.bfloat16, torch.float32, "bf16")],
+)  # fmt: skip
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_kernel_matches_the_eager_norm(dtype, weight_dtype, kind, add):
+    from slimrl.rollout import decode_kernels
+
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    hidden = rand(g, 5, HIDDEN, dtype=dtype, std=3.0)
+    delta = rand(g, 5, HIDDEN, dtype=dtype) if add else None
+    weight = (1.0 + rand(g, HIDDEN, dtype=torch.float32, std=0.2)).to(weight_dtype)
+    before = hidden.clone()
+    got_hidden, got = decode_kernels.add_rms_norm(hidden, delta, weight, 1e-5)
+    if add:
+        want_hidden, want = llama.add_rms_norm(hidden, delta, weight, 1e-5)
+    else:
+        want_hidden, want = hidden, llama.rms_norm(hidden, weight, 1e-5)
+    assert torch.equal(hidden, before), "the input hidden state was changed"
+    assert torch.equal(got_hidden, want_hidden)  # one rounding of an fp32 sum, as eager
+    assert got.dtype == want.dtype
+    assert_close(got.float(), want.float(), kind, name="normed")
+
+
+def test_programmatic_dependent_launch_only_where_the_device_has_it(monkeypatch):
+    from slimrl.rollout import pdl
+
+    # Triton's interpreter and CPU tensors have no grid dependency control: the kernels launch as usual there
+    assert pdl.options(torch.device("cpu")) == {"PDL": 0, "launch_pdl": False}
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl.options(torch.device("cuda"))["launch_pdl"] == (hopper and pdl._HAVE_GDC)
+        monkeypatch.setattr(pdl, "MODE", 0)  # SLIMRL_PDL=0
+        assert pdl.options(torch.device("cuda")) == {"PDL": 0, "launch_pdl": False}
+
+
 def test_fused_ops_refuse_what_they_cannot_take():
     g = torch.Generator(device=DEVICE).manual_seed(2)
     ops, grouped = fused_ops(True, torch.float32)
@@ -228,6 +265,7 @@ def test_fused_ops_refuse_what_they_cannot_take():
     assert ops.gate_up(x, plain, adapted) is None  # one with LoRA, one without
     assert ops.linear(x, two) is None  # two active adapters: peft sums them in the adapter dtype
     assert ops.qkv(0, x, (adapted, adapted, adapted), None, None, None, None) is None  # no step bound
+    assert ops.add_rms_norm(x, x, llama.NormSpec(x[0], 1e-5)) is None  # the prefill keeps its compiled norms
 
 
 def test_attention_kernel_reads_the_cache_through_the_table():

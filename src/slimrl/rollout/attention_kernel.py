@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slimrl.rollout import pdl
 from slimrl.rollout.kv_cache import table_unit
+from slimrl.rollout.pdl import enter
 
 BLOCK_S = 64  # cache columns per step of the loop (default; `decode_attention(block_s=...)`)
 
@@ -48,7 +50,9 @@ def _decode_attention_kernel(
     PRECISION: tl.constexpr,
     FROM_TABLE: tl.constexpr,
     UNIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
         k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
         v_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer + 1) * UNIT
@@ -116,5 +120,6 @@ def decode_attention(
         anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2),
         HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=block_s,
         PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), num_warps=num_warps,
+        **pdl.options(q.device),
     )  # fmt: skip
     return out

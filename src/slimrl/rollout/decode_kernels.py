@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slimrl.rollout import pdl
 from slimrl.rollout.kv_cache import table_unit
+from slimrl.rollout.pdl import enter
 
 # Triton's interpreter (the CPU tests) converts fp32 to bf16 by truncation; there the rounding is done by hand
 _SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -174,12 +176,13 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, PAIR: tl.constexpr,
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
-                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     lanes = tl.arange(0, BN)
     offs_n = tl.program_id(1) * COLS + lanes  # a program owns COLS <= BN columns (see `tile_columns`)
     n_ok = (offs_n < N) & (lanes < COLS)
+    enter(PDL)
     y0, y1, m_ok = _base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w0_ptr, offs_n, w1_ptr, offs_n, n_ok, b0_ptr,
                                  b1_ptr, y0_ptr, y1_ptr, N, K, sp_ptr, cnt_ptr, BM, BN, BK, PAIR, GEMM, HAS_BIAS,
                                  EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
@@ -210,7 +213,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
                 R_PAD: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                 ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr, EVEN_K: tl.constexpr,
                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
-                UNIT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                UNIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
@@ -248,6 +251,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
     lo = head * D + offs_d  # this head's first and second RoPE halves
     hi = lo + HALF
     all_n = offs_d < HALF
+    enter(PDL)
     y_lo, y_hi, m_ok = _base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w_ptr, lo, w_ptr, hi, all_n, b_ptr,
                                      b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, BM, SLICE, BK, True, GEMM,
                                      HAS_BIAS, EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
@@ -285,6 +289,26 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         base = cache + ((offs_m[:, None] * HK + head) * cache_len + column) * D
     tl.store(base + offs_d[None, :], y_lo.to(OUT), mask=m_ok[:, None])
     tl.store(base + HALF + offs_d[None, :], y_hi.to(OUT), mask=m_ok[:, None])
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+    """One row: h + d rounded to h's dtype (stored), then LlamaRMSNorm of it (fp32 statistics, the normalised row
+    rounded to h's dtype, times the weight in the output's dtype)."""
+    enter(PDL)
+    OUT = h_out_ptr.dtype.element_ty
+    Y = y_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    h = tl.load(h_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32)
+    if ADD:
+        h = _round(h + tl.load(d_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32), OUT)
+        tl.store(h_out_ptr + row * N + offs, h.to(OUT), mask=ok)
+    normed = _round(h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps), OUT)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + offs, (w * normed).to(Y), mask=ok)
 
 
 # -- launch helpers -------------------------------------------------------------------------------------------------
@@ -422,6 +446,7 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
         HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter, QK_NORM=norms is not None,
         EVEN_K=features % block_k == 0, PRECISION=_precision(x.dtype, tf32), DOT_F32=_interpreting(),
         SLICE=slice_cols, UNIT=table_unit(q_out.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        **pdl.options(x.device),
     )  # fmt: skip
 
 
@@ -469,5 +494,20 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
         GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=_precision(x.dtype, tf32), DOT_F32=_interpreting(),
         NEXT=next_shrink is not None, RN_PAD=next_pad, num_warps=num_warps, num_stages=num_stages,
+        **pdl.options(x.device),
     )  # fmt: skip
     return out
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(hidden + delta, its RMSNorm) as `llama.add_rms_norm` computes them, in one launch; with delta None,
+    (hidden, its RMSNorm). hidden and delta [M, N] contiguous of one dtype, weight [N]."""
+    rows, width = hidden.shape
+    out = torch.empty_like(hidden) if delta is not None else hidden
+    normed = torch.empty(rows, width, dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device)
+    block = triton.next_power_of_2(width)
+    _add_rms_norm_kernel[(rows,)](
+        hidden, delta if delta is not None else hidden, weight, out, normed, width, float(eps), BLOCK=block,
+        ADD=delta is not None, num_warps=4 if block <= 2048 else 8, **pdl.options(hidden.device),
+    )  # fmt: skip
+    return out, normed

@@ -9,11 +9,12 @@ used by the next rollout with no merge, copy or re-capture. Per rollout:
    this rollout's shape and kept until `release()` or a differently shaped rollout;
 2. each decode step (embed, all layers, LM head, logits processing, sampling, bookkeeping) runs on static buffers
    without host syncs; on CUDA it is captured once as a CUDA graph per (batch bucket, cache length, sampling
-   settings) and replayed. On CUDA the step is cut for few launches (`Decoder.forward_grouped`): norms
-   torch.compile'd with the residual adds fused in, each layer's projections through `fused_decode` (base GEMM or
-   cuBLAS, LoRA, RoPE, the cache write and SwiGLU fused), one Triton launch per layer for attention over each row's
-   live cache columns (`attention_kernel.py`) and the fused sampler (`sampling_kernel.py`); the cache is reached
-   through an address table, so the graph outlives `release()`;
+   settings) and replayed. On CUDA the step is cut for few launches (`Decoder.forward_grouped`): each residual add
+   fused with the norm after it, each layer's projections through `fused_decode` (base GEMM or cuBLAS, LoRA, RoPE,
+   the cache write and SwiGLU fused), one Triton launch per layer for attention over each row's live cache columns
+   (`attention_kernel.py`) and the fused sampler (`sampling_kernel.py`); these Triton kernels are launched with
+   programmatic dependent launch on Hopper (`pdl.py`: each may be scheduled while the one before finishes); the
+   cache is reached through an address table, so the graph outlives `release()`;
 3. sequences stop at an EOS / stop token (included in the completion, as vLLM and transformers do), at a stop
    string (the completion ends with the token that completes the string: vLLM keeps that token's id and only trims
    the text), or at their own max token count; finished rows keep running masked until every row is done.

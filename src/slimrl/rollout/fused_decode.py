@@ -1,12 +1,13 @@
 """The decode step's fused projections (`decode_kernels`) bound to one layer's live modules.
 
-`FusedDecode` gives `Decoder.forward_grouped` three operations; each returns None when the projections at hand do
+`FusedDecode` gives `Decoder.forward_grouped` four operations; each returns None when the projections at hand do
 not fit the kernels (several active adapters, mixed LoRA and plain layers, a head dim the kernels cannot tile, ...)
 and the forward then takes its unfused path for that group, which is the reference:
 
 - `qkv(layer, h, specs, q_norm, k_norm, cos, sin)`: q [N, heads*D] with RoPE, k and v written into the cache;
 - `linear(x, spec)`: one projection with its LoRA update (o, down);
-- `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates.
+- `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates;
+- `add_rms_norm(hidden, delta, norm)`: the residual add and the norm after it.
 
 LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `lora_kernels.shrink_` in one
 launch; the kernels here add `B · scale` in their epilogue. Base weights are multiplied by the kernels themselves
@@ -53,9 +54,12 @@ ROW_BUCKETS = (16, 64, 256, 1 << 30)
 
 def default_choices() -> dict[str, dict[int, KernelChoice]]:
     """Per group and row bucket: the fastest candidates of `bench/rollout.py --tune` on an H100 with W1's shapes
-    (docs/bench/w2_tune.json). cuBLAS keeps the long-K down projection at every size and every base GEMM of a
-    prefill (then only the epilogue is ours); the fused kernels win where launches dominate. Split-K did not win
-    anywhere it was timed (docs/bench/w2_tune_split_k.json) and is off by default."""
+    (docs/bench/w2_tune.json), timed launch by launch. cuBLAS keeps every base GEMM of a prefill (then only the
+    epilogue is ours) and the long-K down projection at 16 and 256 rows; the fused kernels win where launches
+    dominate. At 64 rows the down projection runs on the fused kernel with K split over 4 programs: 1 us slower
+    than cuBLAS alone, but in the captured step it replaces two launches that programmatic dependent launch cannot
+    overlap (cuBLAS and its split-K reduction) and the step is 1% faster (`--variants`, docs/bench/w2_variants.json).
+    Split-K did not win elsewhere (docs/bench/w2_tune_split_k.json)."""
     cublas = KernelChoice(gemm=False, block_n=64)
     return {
         "qkv": {
@@ -78,7 +82,7 @@ def default_choices() -> dict[str, dict[int, KernelChoice]]:
         },
         "down": {
             16: replace(cublas),
-            64: replace(cublas, block_n=32),
+            64: KernelChoice(gemm=True, block_n=32, block_k=128, split_k=4),
             256: replace(cublas, block_n=32),
             1 << 30: replace(cublas),
         },
@@ -181,6 +185,16 @@ class FusedDecode:
         return None if lora is False else (choice, base, lora)
 
     # -- the operations ------------------------------------------------------------------------------------------
+
+    def add_rms_norm(self, hidden, delta, norm) -> tuple | None:
+        """(hidden + delta, its RMSNorm) in one launch during a decode step (so it takes part in the step's
+        programmatic dependent launches, see `pdl`); delta may be None (the first layer: the norm alone)."""
+        if self.context is None or not self._ready(hidden) or not hidden.is_contiguous():
+            return None
+        if delta is not None and (delta.shape != hidden.shape or delta.dtype != hidden.dtype or
+                                  not delta.is_contiguous()):  # fmt: skip
+            return None
+        return decode_kernels.add_rms_norm(hidden, delta, norm.weight, norm.eps)
 
     def qkv(self, layer: int, h, specs, q_norm, k_norm, cos, sin) -> torch.Tensor | None:
         context = self.context

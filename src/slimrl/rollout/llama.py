@@ -400,11 +400,9 @@ class Decoder:
         delta = None
         for index, layer in enumerate(self.layers):
             (norm, q, k, v), (q_norm, k_norm), (o, post_norm), (gate, up, down) = self.layer_args(layer)
-            if delta is None:
-                h = ops.rms_norm(hidden, norm.weight, norm.eps)
-            else:
+            if delta is not None:
                 mark(delta)
-                hidden, h = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+            hidden, h = _add_norm(ops, hidden, delta, norm)
             fused = ops.fused
             query = None if fused is None else fused.qkv(index, h, (q, k, v), q_norm, k_norm, cos, sin)
             if query is not None:  # k and v are in the cache already
@@ -419,7 +417,7 @@ class Decoder:
             if out is None:
                 (out,) = project(attn, (o,), ops.add_lora)
             mark(hidden, out)
-            hidden, h = ops.add_rms_norm(hidden, out, post_norm.weight, post_norm.eps)
+            hidden, h = _add_norm(ops, hidden, out, post_norm)
             act = None if fused is None else fused.gate_up(h, gate, up, down)
             if act is None:
                 gate_out, up_out = project(h, (gate, up), ops.add_lora)
@@ -429,8 +427,7 @@ class Decoder:
             if delta is None:
                 (delta,) = project(act, (down,), ops.add_lora)
         mark(hidden, delta)
-        final = norm_spec(self.norm)
-        return ops.add_rms_norm(hidden, delta, final.weight, final.eps)[1]
+        return _add_norm(ops, hidden, delta, norm_spec(self.norm))[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, as transformers' lm_head gives them."""
@@ -446,6 +443,18 @@ class Decoder:
                 parts.append(None if norm is None else (norm.weight.data_ptr(), float(norm.variance_epsilon)))
         parts.append(_spec_identity(linear_spec(self.lm_head)))
         return tuple(parts)
+
+
+def _add_norm(ops: GroupedOps, hidden, delta, norm: NormSpec):
+    """(hidden + delta, its RMSNorm), delta None meaning no add: the fused kernel when the ops have one bound to a
+    decode step, else the ops' own (compiled) functions."""
+    if ops.fused is not None:
+        done = ops.fused.add_rms_norm(hidden, delta, norm)
+        if done is not None:
+            return done
+    if delta is None:
+        return hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+    return ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
 
 
 def _mark_rows_dynamic(*tensors) -> None:

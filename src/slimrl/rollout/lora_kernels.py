@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slimrl.rollout import pdl
 from slimrl.rollout.llama import add_lora_
+from slimrl.rollout.pdl import enter
 
 MAX_GROUP = 3  # adapters per launch (q, k, v)
 TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H100)
@@ -72,7 +74,9 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1) // R_BLOCKS
     r_block = tl.program_id(1) % R_BLOCKS
@@ -126,7 +130,9 @@ def _expand_kernel(
     R_PAD: tl.constexpr,
     ROUND_ADAPTER: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # which projection this output tile belongs to
@@ -202,6 +208,7 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, workspace, rows, features, rank, x.stride(0), k_per_split,
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
+        **pdl.options(x.device),
     )  # fmt: skip
     return workspace[: group * rows * r_pad].view(group, rows, r_pad)
 
@@ -235,6 +242,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     _expand_kernel[(m_tiles, sum(tiles))](
         workspace, *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=r_pad, ROUND_ADAPTER=round_adapter, PRECISION=precision,
+        **pdl.options(x.device),
     )  # fmt: skip
 
 

@@ -9,18 +9,24 @@ registers with Philox (keyed by the rollout's seed and the step; one call gives 
 logsumexp and the best candidate, both kept per lane (one cross-warp reduction per 4,096 logits for the running max,
 the rest at the end); a second launch combines the slices of each row.
 
-Same distribution as the plain path, not the same draws (another generator). Greedy (T = 0) takes the first
-largest logit, as `argmax` does, and reports z - logsumexp(z) of the unscaled logits, as `choose_tokens` does.
+On CUDA the outer log of the key z - log(E) is the hardware's approximate log2 (an absolute error of a few 1e-7 on a
+key, below the fp32 rounding of z itself; E = -log(U) keeps the accurate log, see `_log_of_exponential`).
+Same distribution as the plain path, not the same draws (another generator). Greedy (T = 0) takes the first largest
+logit, as `argmax` does, and reports z - logsumexp(z) of the unscaled logits, as `choose_tokens` does.
 `reference_choice` is the plain-PyTorch statement of what the kernels compute, given the same uniforms; the tests
 compare the two, and check the sampled frequencies against softmax(z). Import only where Triton may be used.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from slimrl.rollout import pdl
+from slimrl.rollout.pdl import enter
 from slimrl.rollout.sampling import SamplingParams
 
 BLOCK = 4096  # logits per loop step of a program
@@ -38,7 +44,20 @@ def applies(params: SamplingParams) -> bool:
 
 
 @triton.jit
-def _quarter(logits_ptr, row, V, limit, cols, u, inv_t, best, best_idx, GREEDY: tl.constexpr):
+def _log_of_exponential(e, FAST: tl.constexpr):
+    """ln(e) for the key z - ln(E), to within ~2e-7 absolute: the hardware's approximate log2 (one instruction,
+    absolute error below 2^-22 near 1, relative beyond) times ln 2 when FAST, else the accurate log. E = -ln(U) itself
+    keeps the accurate log: for U near 1, E is small and only a relative error would do there."""
+    if FAST:
+        log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [e], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+        return log2 * 0.6931471805599453
+    return tl.log(e)
+
+
+@triton.jit
+def _quarter(logits_ptr, row, V, limit, cols, u, inv_t, best, best_idx, GREEDY: tl.constexpr,
+             FAST_LOG: tl.constexpr):  # fmt: skip
     """One lane-wise step over Q logits: their raw values and z = raw / T (-inf outside the slice), and each lane's
     best key so far (strictly larger keys replace it, so a lane keeps the first column of its largest key)."""
     ok = (cols < V) & (cols < limit)
@@ -47,7 +66,7 @@ def _quarter(logits_ptr, row, V, limit, cols, u, inv_t, best, best_idx, GREEDY: 
     if GREEDY:
         key = z
     else:  # z + Gumbel = z - log(E), E = -log(U) ~ Exp(1); U = 0 gives E = inf, a key of -inf: never chosen
-        key = z - tl.log(-tl.log(u))
+        key = z - _log_of_exponential(-tl.log(u), FAST_LOG)
     key = tl.where(ok, key, -float("inf"))
     take = key > best
     return raw, z, tl.where(take, key, best), tl.where(take, cols, best_idx)
@@ -64,7 +83,8 @@ def _sum_exp(m, s, a, b, c, d):
 @triton.jit
 def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_row, inv_t,
                     GREEDY: tl.constexpr, RAW: tl.constexpr, SPLITS: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    enter(PDL)
     Q: tl.constexpr = BLOCK // 4  # one Philox call gives four uniforms: one for each quarter of a block
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,13 +107,14 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
             u3 = u0
         else:  # counters row * per_row + v0 / 4 + i: distinct for every (row, block, lane)
             u0, u1, u2, u3 = tl.rand4x(seed, row * per_row + v0 // 4 + lanes)
-        r0, z0, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + lanes, u0, inv_t, best, best_idx, GREEDY)
+        r0, z0, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + lanes, u0, inv_t, best, best_idx, GREEDY,
+                                          FAST_LOG)  # fmt: skip
         r1, z1, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + Q + lanes, u1, inv_t, best, best_idx,
-                                          GREEDY)  # fmt: skip
+                                          GREEDY, FAST_LOG)  # fmt: skip
         r2, z2, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + 2 * Q + lanes, u2, inv_t, best, best_idx,
-                                          GREEDY)  # fmt: skip
+                                          GREEDY, FAST_LOG)  # fmt: skip
         r3, z3, best, best_idx = _quarter(logits_ptr, row, V, limit, v0 + 3 * Q + lanes, u3, inv_t, best, best_idx,
-                                          GREEDY)  # fmt: skip
+                                          GREEDY, FAST_LOG)  # fmt: skip
         m, s = _sum_exp(m, s, z0, z1, z2, z3)
         if RAW:
             m_raw, s_raw = _sum_exp(m_raw, s_raw, r0, r1, r2, r3)
@@ -111,7 +132,8 @@ def _partial_kernel(logits_ptr, seed_ptr, step_ptr, part_ptr, V, per_split, per_
 
 @triton.jit
 def _combine_kernel(part_ptr, logits_ptr, V, inv_t, tokens_ptr, logprobs_ptr, USED, SPLITS: tl.constexpr,
-                    RAW: tl.constexpr):  # fmt: skip
+                    RAW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS)
     used = offs < USED  # slices past the row's end were not launched
@@ -157,12 +179,17 @@ def choose(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, ste
     greedy = params.greedy
     raw = params.logprobs_mode == "raw"
     inv_t = 1.0 if greedy else 1.0 / params.temperature
+    launch = pdl.options(logits.device)
     _partial_kernel[(batch, used)](
         logits, seed, step, parts, vocab, per_split, _per_row(vocab), inv_t, GREEDY=greedy, RAW=raw, SPLITS=used,
-        BLOCK=BLOCK,
+        BLOCK=BLOCK, FAST_LOG=logits.is_cuda and not _interpreting(), **launch,
     )  # fmt: skip
-    _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, used, SPLITS=splits, RAW=raw)
+    _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, used, SPLITS=splits, RAW=raw, **launch)
     return tokens, logprobs
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _per_row(vocab: int) -> int:

@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
+
+A decode step is a chain of about 350 short launches. Launched normally, each kernel is scheduled only after the one
+before it has finished and flushed, so every boundary costs a launch gap plus the new kernel's ramp-up. On Hopper
+and later a kernel launched with PDL may be scheduled as soon as every program of the kernel before it has started;
+its programs then wait at `griddepcontrol.wait` until that kernel has finished and its writes are visible.
+
+Every kernel launched through `options` calls `enter(PDL)` first, before it reads or writes anything: the wait comes
+before any memory access, so results are those of ordinary stream order (a chain stays ordered: a kernel finishes
+only after its own wait on the one before). `enter` then lets the next kernel be scheduled. Captured into a CUDA
+graph, the launches keep these programmatic edges. Kernels of other libraries (cuBLAS, compiled norms) launch as
+before and are waited for as before.
+
+`MODE` (`SLIMRL_PDL`, read at import; set it before an engine captures): 1 (default) as above, 0 ordinary launches.
+Import this module only where Triton may be used: it imports triton at import time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAVE_GDC = True
+except ImportError:  # a Triton without grid dependency control: never launched with PDL, so never traced
+    gdc_launch_dependents = gdc_wait = None
+    _HAVE_GDC = False
+
+MODE = int(os.environ.get("SLIMRL_PDL", "1"))
+_CAPABLE: dict[int, bool] = {}
+
+
+def _capable(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def options(device: torch.device) -> dict:
+    """Launch keywords for a kernel whose first memory access follows `enter(PDL)`: PDL on CUDA devices of
+    compute capability 9 and later (not under Triton's interpreter, which has no grid dependency control)."""
+    on = (
+        MODE > 0
+        and _HAVE_GDC
+        and device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and _capable(device)
+    )
+    return {"PDL": MODE if on else 0, "launch_pdl": bool(on)}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Wait for the kernel before this one to finish (its writes visible) and let the next one be scheduled."""
+    if PDL > 0:
+        gdc_wait()
+        gdc_launch_dependents()
