@@ -42,16 +42,16 @@ def _capable(device: torch.device) -> bool:
     return _CAPABLE[index]
 
 
+def compiled_for_cuda(device: torch.device) -> bool:
+    """Whether kernels launched for tensors on `device` are compiled for a GPU (so PTX-level instructions may be
+    used): a CUDA device and not Triton's interpreter."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def options(device: torch.device) -> dict:
     """Launch keywords for a kernel whose first memory access follows `enter(PDL)`: PDL on CUDA devices of
     compute capability 9 and later (not under Triton's interpreter, which has no grid dependency control)."""
-    on = (
-        MODE > 0
-        and _HAVE_GDC
-        and device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and _capable(device)
-    )
+    on = MODE > 0 and _HAVE_GDC and compiled_for_cuda(device) and _capable(device)
     return {"PDL": MODE if on else 0, "launch_pdl": bool(on)}
 
 

@@ -19,8 +19,6 @@ compare the two, and check the sampled frequencies against softmax(z). Import on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -182,14 +180,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, ste
     launch = pdl.options(logits.device)
     _partial_kernel[(batch, used)](
         logits, seed, step, parts, vocab, per_split, _per_row(vocab), inv_t, GREEDY=greedy, RAW=raw, SPLITS=used,
-        BLOCK=BLOCK, FAST_LOG=logits.is_cuda and not _interpreting(), **launch,
+        BLOCK=BLOCK, FAST_LOG=pdl.compiled_for_cuda(logits.device), **launch,
     )  # fmt: skip
     _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, used, SPLITS=splits, RAW=raw, **launch)
     return tokens, logprobs
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _per_row(vocab: int) -> int:
