@@ -243,9 +243,8 @@ def kernel_self_check() -> dict:
     return report
 
 
-# (gemm, block_n, block_k, num_warps, num_stages[, block_m, per_sm]); for qkv block_n = columns per RoPE half.
+# (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); for qkv block_n = columns per RoPE half.
 # block_m 0 = up to 64 rows by the row count; per_sm > 0 spreads the columns over that many programs per SM.
-# (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); 0 = the default
 TUNE_CANDIDATES = {
     "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 16, 128, 4, 3, 0, 0, 2),
             (True, 16, 128, 4, 3, 0, 0, 3), (True, 16, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2),
@@ -554,9 +553,17 @@ def main(argv=None):
             if not check["fused_tuned"]["ok"]:  # reported; the engine keeps the defaults
                 tuned = None
         save()
-    engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
-                           triton_attention=check["attention_ok"], fused_decode=fused_ok,
-                           fused_sampling=check["sampling"]["ok"])  # fmt: skip
+
+    def new_engine(choices=None, **flags):
+        """An engine with the kernels the self-checks passed (flags override), on these fused-kernel choices."""
+        flags = {"grouped_decode": check["lora_ok"], "triton_attention": check["attention_ok"],
+                 "fused_decode": fused_ok, "fused_sampling": check["sampling"]["ok"], **flags}  # fmt: skip
+        built = RolloutEngine(model, max_batch_size=max(args.batches), **flags)
+        if choices is not None:
+            built._fused.choices = choices
+        return built
+
+    engine = new_engine()
     result["engine_config"] = {"grouped_decode": engine.grouped_decode, "tf32_adapters": engine.tf32,
                                "triton_attention": engine._attention_kernel is not None,
                                "fused_decode": engine._fused is not None,
@@ -584,10 +591,7 @@ def main(argv=None):
         # the shipped defaults first, then the engine on the settings just tuned (a fresh engine: graphs bake them)
         result["engine_default_choices"] = {f"B{b}": engine_run(engine, b, params, NEW) for b in args.batches}
         engine.release(keep_graph=False)
-        engine = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
-                               triton_attention=check["attention_ok"], fused_decode=fused_ok,
-                               fused_sampling=check["sampling"]["ok"])  # fmt: skip
-        engine._fused.choices = tuned
+        engine = new_engine(tuned)
         save()
     if "engine" not in args.skip:
         result["engine"] = {}
@@ -609,10 +613,7 @@ def main(argv=None):
             result["engine_variants"][variant] = timed = {}
             try:
                 with engine_variant(variant, tuned) as choices:
-                    other = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
-                                          triton_attention=check["attention_ok"], fused_decode=fused_ok,
-                                          fused_sampling=check["sampling"]["ok"])  # fmt: skip
-                    other._fused.choices = choices
+                    other = new_engine(choices)
                     for batch in args.batches:
                         timed[f"B{batch}"] = engine_run(other, batch, params, NEW)
                         save()
@@ -645,9 +646,7 @@ def main(argv=None):
         attempt("prefill_profile", prefill_profile, engine, max(args.batches))
     if "unfused" not in args.skip and engine._fused is not None:
         engine.release(keep_graph=False)
-        unfused = RolloutEngine(model, max_batch_size=max(args.batches), grouped_decode=check["lora_ok"],
-                                triton_attention=check["attention_ok"], fused_decode=False,
-                                fused_sampling=False)  # fmt: skip
+        unfused = new_engine(fused_decode=False, fused_sampling=False)
         result["engine_unfused"] = {}
         for batch in args.batches:
             attempt_key = f"B{batch}"
