@@ -15,7 +15,9 @@ _LAZY = {
     "PatchFastRL": "slimrl.patching",
     "unpatch": "slimrl.patching",
     "GRPOTrainer": "slimrl.trainers.grpo",
-    "GRPOConfig": "slimrl.trainers.grpo",
+    "GRPOConfig": "slimrl.trainers.grpo_config",
+    "NonFiniteError": "slimrl.trainers.finite",
+    "EngineOutputError": "slimrl.rollout.engine",
 }
 
 __all__ = ["__version__", *_LAZY]

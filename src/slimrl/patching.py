@@ -28,7 +28,7 @@ class _Binding:
 _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "grpo": (
         _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo"),
-        _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo"),
+        _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo_config"),
     ),
 }
 

@@ -344,3 +344,78 @@ def test_grouped_decode_matches_generate(arch):
     model = with_lora(no_eos(build(arch)))
     out = RolloutEngine(model, grouped_decode=True).generate(PROMPTS, GREEDY, max_new_tokens=16)
     assert out.completion_ids == hf_greedy(model, PROMPTS, 16, eos_token_id=None)
+
+
+# -- what the engine hands back is checked ---------------------------------------------------------------------------
+
+
+def test_non_finite_weights_give_a_clear_error_instead_of_garbage():
+    from slimrl.rollout.engine import EngineOutputError
+
+    model = with_lora(no_eos(build("llama")))
+    name, param = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        param.fill_(float("nan"))
+    engine = RolloutEngine(model)
+    with pytest.raises(EngineOutputError, match=f"weights hold NaN or infinite values \\({name}"):
+        engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=0), max_new_tokens=4)
+
+
+def test_check_output_names_token_ids_outside_the_vocabulary():
+    from slimrl.rollout.engine import EngineOutputError, check_output
+
+    check_output([([1, 2], [-0.5, -1.0], "length")], vocab_size=3)  # a valid row passes
+    with pytest.raises(EngineOutputError, match=r"sequence 1 has token ids \[7\] outside \[0, 5\)"):
+        check_output([([1], None, "stop"), ([2, 7], None, "length")], vocab_size=5)
+    with pytest.raises(EngineOutputError, match="sequence 0 has a NaN or infinite log-prob; the weights are finite"):
+        check_output([([1], [float("-inf")], "stop")], vocab_size=5, model=build("llama"))
+
+
+def test_rollouts_of_alternating_shapes_keep_their_results():
+    """Shapes alternate as completion lengths change from step to step: each shape's results stay those of a fresh
+    engine (on CUDA each keeps its captured graph, tests/rollout/test_engine_cuda.py)."""
+    model = no_eos(build("qwen2"))
+    engine = RolloutEngine(model, max_seq_len=512)
+    short = engine.generate(PROMPTS, GREEDY, max_new_tokens=4).completion_ids
+    long = engine.generate(PROMPTS, GREEDY, max_new_tokens=200).completion_ids
+    assert engine.generate(PROMPTS, GREEDY, max_new_tokens=4).completion_ids == short
+    assert RolloutEngine(model, max_seq_len=512).generate(PROMPTS, GREEDY, max_new_tokens=200).completion_ids == long
+
+
+def likely_eos(model, prompts, logit: float = 3.0):
+    """Point lm_head's EOS row (id 3) at the prompts' mean final hidden state, so EOS has logit ~`logit` there and
+    some sampled rows end early."""
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1][:, -1]
+        direction = hidden.mean(0)
+        model.get_output_embeddings().weight[3] = logit * direction / direction.square().sum()
+    model.generation_config.eos_token_id = 3
+    return model
+
+
+def sampled_by_generate(model, prompts, new_tokens, **filters):
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
+                             pad_token_id=0, top_k=filters.get("top_k", 0), top_p=filters.get("top_p", 1.0),
+                             temperature=filters.get("temperature", 1.0))  # fmt: skip
+    rows = out[:, ids.shape[1] :].tolist()
+    return [row[: row.index(3) + 1] if 3 in row else row for row in rows]
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20, "top_p": 0.9, "temperature": 0.7}])
+def test_multinomial_sampler_draws_what_transformers_generate_draws(filters):
+    """sampler="multinomial": torch.multinomial on torch's generator in prompt order, one draw per row and step,
+    so the same seed gives the same completions as generate(do_sample=True), and leaves the generator where
+    generate leaves it (rows of different lengths, some ending at EOS)."""
+    prompts = PROMPTS + [[40, 41], [50, 51, 52, 53, 54, 55, 56, 57]]
+    model = likely_eos(with_lora(build("llama")), prompts)
+    torch.manual_seed(123)
+    expected = sampled_by_generate(model, prompts, 12, **filters)
+    after_generate = torch.randint(0, 2**30, (1,)).item()
+    torch.manual_seed(123)
+    out = RolloutEngine(model).generate(prompts, SamplingParams(sampler="multinomial", **filters), max_new_tokens=12)
+    assert torch.randint(0, 2**30, (1,)).item() == after_generate, "the engine drew as often as generate"
+    assert out.completion_ids == expected
+    assert any(len(c) < 12 for c in expected) and any(len(c) == 12 for c in expected), [len(c) for c in expected]

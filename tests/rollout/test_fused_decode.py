@@ -286,8 +286,9 @@ def test_attention_kernel_reads_the_cache_through_the_table():
     assert torch.equal(via_table, direct)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_with_fused_kernels_decodes_as_generate(arch, monkeypatch):
+@pytest.mark.parametrize(("arch", "deterministic"), [("llama", False), ("qwen2", False), ("qwen3", False),
+                                                     ("llama", True)])  # fmt: skip
+def test_engine_with_fused_kernels_decodes_as_generate(arch, deterministic, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     from slimrl.rollout import decode_kernels
@@ -318,7 +319,8 @@ def test_engine_with_fused_kernels_decodes_as_generate(arch, monkeypatch):
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
     model = model.to(DEVICE)
     prompts = [[5, 9, 11, 4, 7, 8], [6, 12, 3], [9, 9, 10, 2]]
-    engine = RolloutEngine(model, max_seq_len=64, grouped_decode=True, triton_attention=True, fused_decode=True)
+    engine = RolloutEngine(model, max_seq_len=64, grouped_decode=True, triton_attention=True, fused_decode=True,
+                           deterministic=deterministic)  # fmt: skip
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     first = engine.generate(prompts, params, max_new_tokens=6)
     engine.release()  # frees the cache; the next rollout allocates a new one at another address

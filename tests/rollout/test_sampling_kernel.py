@@ -65,7 +65,7 @@ def test_kernel_with_fewer_slices_than_a_power_of_two():
 def test_sampled_frequencies_follow_the_softmax():
     from slimrl.rollout import sampling_kernel
 
-    draws, temperature = 4000, 0.8
+    draws, temperature = (4000 if DEVICE == "cuda" else 600), 0.8  # the CPU interpreter runs a program per row
     row = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0, 0.5, 1.2, -0.5, 0.2, -9.0, 1.9], device=DEVICE)
     logits = row.repeat(draws, 1)  # every row gets its own Philox counters: independent draws
     params = SamplingParams(temperature=temperature)

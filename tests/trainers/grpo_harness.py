@@ -27,8 +27,10 @@ def lora_tiny_model(arch: str = "llama"):
         return get_peft_model(tiny_model(arch), config)
 
 
-def build_trainer(kind: str, arch: str = "llama", model=None, reward_funcs=zero_reward, dataset=None, **config):
-    """kind: "trl" (unpatched TRL) or "slimrl". Extra keyword arguments go to the config."""
+def build_trainer(kind: str, arch: str = "llama", model=None, reward_funcs=zero_reward, dataset=None,
+                  trainer_kwargs: dict | None = None, **config):  # fmt: skip
+    """kind: "trl" (unpatched TRL) or "slimrl". Extra keyword arguments go to the config, `trainer_kwargs` to the
+    trainer (tools, environment_factory, rollout_func, ...)."""
     trainer_cls, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (slimrl.GRPOTrainer, None)
     config_cls = config_cls or slimrl.GRPOConfig
     settings = dict(
@@ -54,6 +56,7 @@ def build_trainer(kind: str, arch: str = "llama", model=None, reward_funcs=zero_
             args=args,
             train_dataset=tiny_prompt_dataset() if dataset is None else dataset,
             processing_class=tiny_tokenizer(),
+            **(trainer_kwargs or {}),
         )
 
 

@@ -55,10 +55,22 @@ def test_num_chunks_accepts_digit_strings_from_the_command_line():
     assert config(num_chunks="4").num_chunks == 4 and config(num_chunks="auto").num_chunks == "auto"
 
 
-def test_max_completion_length_beyond_context():
-    model = lora_tiny_model()  # max_position_embeddings=512
-    with pytest.raises(ValueError, match=r"max_completion_length=600 does not fit the model's context of 512.*Lower"):
-        build_trainer("slimrl", model=model, max_completion_length=600)
+def test_max_completion_length_beyond_the_position_embeddings_warns():
+    """transformers' RoPE runs past max_position_embeddings and TRL trains there, so it is a warning, not an error."""
+    from slimrl.testing import tiny_tokenizer
+
+    args = config(max_completion_length=600)
+    with pytest.warns(UserWarning, match=r"max_completion_length=600 does not fit the model's context of 512.*Lower"):
+        slimrl.GRPOTrainer(model=lora_tiny_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                           args=args, train_dataset=tiny_prompt_dataset(), processing_class=tiny_tokenizer())
+
+
+def test_max_completion_length_beyond_max_seq_length_is_an_error():
+    model = lora_tiny_model()
+    model.slimrl_options = type("Options", (), {"max_seq_length": 256})()  # as FastLanguageModel records it
+    with pytest.raises(ValueError, match=r"max_completion_length=300 does not fit the model's context of 256 tokens "
+                                         r"\(max_seq_length given to FastLanguageModel"):  # fmt: skip
+        build_trainer("slimrl", model=model, max_completion_length=300)
 
 
 def test_dataset_without_prompt_column():

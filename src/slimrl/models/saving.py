@@ -1,7 +1,8 @@
 """Saving: the LoRA adapter (peft format) and a merged 16-bit model that transformers loads back.
 
-Nothing is written in place: each save goes to a temporary sibling directory that replaces the target only once
-complete, so an interrupted save never leaves a half-written model where a good one was. A non-empty target is
+Non-finite weights are never written (`NonFiniteError`). Nothing is written in place: each save goes to a temporary
+sibling directory that replaces the target only once complete, so an interrupted save never leaves a half-written
+model where a good one was. A non-empty target is
 replaced only if it is an earlier slimrl save (it holds `slimrl_save.json`) or `overwrite=True` is passed.
 
 The live training model is never modified: the merged weights W + scale * B @ A are computed layer by layer into a
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from slimrl.models.quantization import dequantized_weight, is_quantized_linear
+from slimrl.trainers.finite import NonFiniteError, nonfinite_tensors, refuse_nonfinite_weights
 
 SAVE_METHODS = ("lora", "merged_16bit", "merged_32bit")
 MARKER = "slimrl_save.json"  # marks a directory slimrl wrote, which a later save may replace
@@ -98,6 +100,7 @@ def save_lora(model, tokenizer, path, overwrite: bool = False) -> str:
     if not isinstance(model, PeftModel):
         raise ValueError("save_lora needs a model with a LoRA adapter (from FastLanguageModel.get_peft_model); "
                          "save a plain model with save_merged.")  # fmt: skip
+    refuse_nonfinite_weights(model, f"the adapter to {path}", trainable_only=True)
     with _atomic_directory(path, overwrite, model, _marker("lora")) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
@@ -181,6 +184,10 @@ def save_merged(model, tokenizer, path, dtype: torch.dtype | str = torch.float16
             delattr(config, attr)
     config.dtype = dtype
     state = merged_state_dict(model, dtype)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise NonFiniteError(f"Refusing to save the merged model to {path}: these merged weights hold NaN or infinite "
+                             f"values: {', '.join(bad)}. Resume from the last good checkpoint.")  # fmt: skip
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     result = plain.load_state_dict(state, strict=False, assign=True)

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 PREFILL_TOKENS = 16384  # prompt tokens per prefill block: bounds the prefill's activation memory
 CHECK_EVERY = 16  # decode steps between looks at "all done" and stop strings
 SEQ_ROUND = 128  # cache lengths are rounded up to this, so rollouts of similar length reuse one captured graph
+# captured decode graphs kept for shapes not in use (their caches freed): a training run's rollouts alternate between
+# a few cache lengths as completion lengths change, and a re-capture costs far more than a replay
+IDLE_GRAPHS = 4
 STOP_WINDOW = 32  # tokens before the newest ones re-decoded when looking for stop strings during decoding
 
 
@@ -106,7 +109,7 @@ class _Session:
         # the fused sampler draws its noise in registers from (seed + step); the plain one reads a noise tensor
         self.fused_sampling = fused_sampling
         self.seed = torch.zeros(1, **long)
-        plain_noise = not params.greedy and not fused_sampling
+        plain_noise = not params.greedy and not fused_sampling and params.sampler == "race"
         self.noise = torch.empty(batch, vocab, dtype=torch.float32, device=device) if plain_noise else None
         self.scratch = None  # the fused kernels' split-K scratch, kept with the graph that bakes its address
         self.graph = None
@@ -207,7 +210,14 @@ class RolloutEngine:
         log-probs with `sampling_kernel` (one pass over the logits, noise drawn in registers) instead of the plain
         functions of `sampling.py` (same distribution, other random draws). Default: on CUDA when Triton is installed.
 
+    deterministic: the output depends only on the inputs and the seed: partial sums that the kernels split over
+        several GPU programs are added in a fixed order (`lora_kernels.shrink_(ordered=True)`) instead of by
+        atomics, whose order varies from run to run and with it the last bits of the logits, and so, now and then,
+        a sampled token. slimrl's trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in
+        docs/benchmarks.md.
+
     On CPU, the Triton options may be turned on under TRITON_INTERPRET=1 (the tests run the kernels that way).
+    What `generate` returns is checked: token ids inside the vocabulary and finite log-probs, else `EngineOutputError`.
     """
 
     def __init__(
@@ -224,6 +234,7 @@ class RolloutEngine:
         triton_attention: bool | None = None,
         fused_decode: bool | None = None,
         fused_sampling: bool | None = None,
+        deterministic: bool = False,
     ):
         supported, why = supports(model)
         if not supported:
@@ -252,7 +263,9 @@ class RolloutEngine:
         pad = getattr(generation_config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids or [0])[0]
         self._generator = torch.Generator(device=self.device)
-        self._session: _Session | None = None
+        self.deterministic = deterministic
+        self._session: _Session | None = None  # the shape in use (its cache allocated unless released)
+        self._idle: dict[tuple, _Session] = {}  # other shapes' sessions whose graphs outlive their caches
         if self.use_compile:
             self._blocks = llama.Blocks(*(_Compiled(fn) for fn in llama.EAGER_BLOCKS))
             self._choose = _Compiled(choose_tokens)
@@ -288,7 +301,8 @@ class RolloutEngine:
             from slimrl.rollout.fused_decode import FusedDecode
 
             d = self.decoder
-            self._fused = FusedDecode(d.heads, d.kv_heads, d.head_dim, self._grouped.add_lora, tf32=self.tf32)
+            self._fused = FusedDecode(d.heads, d.kv_heads, d.head_dim, self._grouped.add_lora, tf32=self.tf32,
+                                      ordered=deterministic)  # fmt: skip
         self.last_stats: dict = {}
 
     def _grouped_ops(self, triton_here: bool) -> llama.GroupedOps:
@@ -298,7 +312,7 @@ class RolloutEngine:
         if triton_here:
             from slimrl.rollout import lora_kernels
 
-            ops = ops._replace(add_lora=lora_kernels.GroupedLoRA(tf32=self.tf32))
+            ops = ops._replace(add_lora=lora_kernels.GroupedLoRA(tf32=self.tf32, ordered=self.deterministic))
         return ops
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -313,11 +327,15 @@ class RolloutEngine:
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer: pass RolloutEngine(model, tokenizer=...).")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        self._generator.manual_seed(seed)
+        transformers_draws = params.sampler == "multinomial"  # draws on torch's own generator, in prompt order
+        if not transformers_draws:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            self._generator.manual_seed(seed)
         results: list = [None] * len(prompts)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0}
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
+        order = list(range(len(prompts)))
+        if not transformers_draws:
+            order.sort(key=lambda i: -len(prompts[i]))  # similar lengths pad less
         tf32_before = torch.backends.cuda.matmul.allow_tf32
         try:
             torch.backends.cuda.matmul.allow_tf32 = tf32_before or self.tf32
@@ -343,8 +361,12 @@ class RolloutEngine:
 
         When the captured decode graph reads the cache through the address table (`fused_decode` with
         `triton_attention`), it is kept with its small step buffers (keep_graph=True) and replayed by the next
-        rollout of the same shape: no re-capture. Otherwise, or with keep_graph=False, the graph and every buffer
-        are freed too."""
+        rollout of the same shape: no re-capture; so are the graphs of up to IDLE_GRAPHS other shapes used before.
+        Otherwise, or with keep_graph=False, the graphs and every buffer are freed too."""
+        if not keep_graph:
+            for session in self._idle.values():
+                session.free()
+            self._idle.clear()
         session = self._session
         if session is None:
             return
@@ -353,6 +375,17 @@ class RolloutEngine:
             return
         session.free()
         self._session = None
+
+    def _park(self, session: _Session) -> None:
+        """Put a session out of use: its cache is freed, its graph kept (if it outlives the cache) for a later rollout
+        of its shape; the oldest kept graph goes beyond IDLE_GRAPHS."""
+        if session.graph is None or session.graph_bakes_cache:
+            session.free()
+            return
+        session.cache = None
+        self._idle[session.key] = session
+        while len(self._idle) > IDLE_GRAPHS:
+            self._idle.pop(next(iter(self._idle))).free()
 
     # -- planning ------------------------------------------------------------------------------------------------
 
@@ -425,10 +458,13 @@ class RolloutEngine:
         key = (batch, seq_len, _sampling_key(params), tuple(sorted(stop_ids)))
         session = self._session
         if session is None or session.key != key:
-            self.release(keep_graph=False)  # one shape at a time: free the old cache before allocating the new one
-            fused = self._sampling_kernel is not None and self._sampling_kernel.applies(params)
-            session = _Session(self.decoder, batch, seq_len, params, stop_ids, fused)
-            session.key = key
+            if session is not None:
+                self._park(session)  # one cache at a time: the old one is freed before the new one is allocated
+            session = self._idle.pop(key, None)
+            if session is None:
+                fused = self._sampling_kernel is not None and self._sampling_kernel.applies(params)
+                session = _Session(self.decoder, batch, seq_len, params, stop_ids, fused)
+                session.key = key
             self._session = session
         session.ensure_cache()
         return session
@@ -438,10 +474,11 @@ class RolloutEngine:
         length = max(len(p) for p in prompts)
         longest = length + max(limits)  # left padding: a short prompt's completion can reach past max_seq_len columns
         seq_len = max(longest, min(self.max_seq_len, SEQ_ROUND * math.ceil(longest / SEQ_ROUND)))
-        session = self._session_for(_bucket(count), seq_len, params, stop_ids)
+        eager_draws = params.sampler == "multinomial"  # torch.multinomial over exactly these rows, every step
+        session = self._session_for(count if eager_draws else _bucket(count), seq_len, params, stop_ids)
         stats["waves"] += 1
 
-        if self.use_graphs:
+        if self.use_graphs and not eager_draws:
             tick = time.perf_counter()
             if session.graph is None or session.fingerprint != self._graph_inputs(session):
                 self._capture(session)
@@ -612,15 +649,20 @@ class RolloutEngine:
         on_cuda = self.device.type == "cuda"
         pending = None  # (event, flag) of the previous check: read one period late so the GPU never waits on us
         checked = [0] * count
+        every_step = params.sampler == "multinomial"  # as transformers: no step (no draw) once every row is done
         step = 1
         while step < max_steps:
+            if every_step and bool(session.done.all()):
+                break
             self._fill_noise(session)
             if session.graph is not None:
                 session.graph.replay()
             else:
                 self._decode_step(session)
             step += 1
-            if step % CHECK_EVERY or step >= max_steps:
+            if every_step and params.stop_strings:
+                self._check_stop_strings(session, count, step, checked)
+            if step % CHECK_EVERY or step >= max_steps or every_step:
                 continue
             if params.stop_strings:
                 self._check_stop_strings(session, count, step, checked)
@@ -659,8 +701,15 @@ class RolloutEngine:
     def _collect(self, session: _Session, count: int, steps: int, limits, params: SamplingParams, stop_ids) -> list:
         tokens = session.out_tokens[:count, :steps].tolist()
         logprobs = session.out_logprobs[:count, :steps].tolist() if params.logprobs else None
+        out = self._completions(tokens, logprobs, limits, params, stop_ids)
+        check_output(out, self.decoder.vocab_size, self.model)
+        return out
+
+    def _completions(self, tokens, logprobs, limits, params: SamplingParams, stop_ids) -> list:
+        """Per row (completion ids, their log-probs or None, finish reason): cut at the row's limit, its first stop
+        token or its stop string."""
         out = []
-        for r in range(count):
+        for r in range(len(tokens)):
             row = tokens[r][: limits[r]]
             end, reason = len(row), "length"
             for i, t in enumerate(row):
@@ -673,6 +722,30 @@ class RolloutEngine:
                     end, reason = hit, "stop"
             out.append((row[:end], logprobs[r][:end] if logprobs is not None else None, reason))
         return out
+
+
+class EngineOutputError(RuntimeError):
+    """The engine produced something it must not hand to a trainer: a token id outside the vocabulary or a NaN /
+    infinite log-prob."""
+
+
+def check_output(rows: list, vocab_size: int, model=None) -> None:
+    """Raise EngineOutputError unless every completion's ids are in [0, vocab_size) and its log-probs are finite.
+    rows: (ids, log-probs or None, finish reason) per sequence, as `_collect` builds them."""
+    for index, (ids, logprobs, _) in enumerate(rows):
+        bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+        bad_logprobs = logprobs is not None and not all(math.isfinite(v) for v in logprobs)
+        if not bad_ids and not bad_logprobs:
+            continue
+        what = f"token ids {bad_ids[:3]} outside [0, {vocab_size})" if bad_ids else "a NaN or infinite log-prob"
+        from slimrl.trainers.finite import nonfinite_tensors
+
+        broken = nonfinite_tensors(list(model.named_parameters())) if model is not None else []
+        cause = (f"the model's weights hold NaN or infinite values ({', '.join(broken)}): an earlier optimizer step "
+                 "wrote them; resume from the last good checkpoint" if broken else
+                 "the weights are finite, so this is a numeric fault of the engine: please report it, and generate "
+                 "with generation_backend='transformers' meanwhile")  # fmt: skip
+        raise EngineOutputError(f"Rollout engine: sequence {index} has {what}; {cause}.")
 
 
 def _stop_string_end(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> int | None:
@@ -716,6 +789,7 @@ def _sampling_key(params: SamplingParams) -> tuple:
         params.repetition_penalty,
         params.logprobs,
         params.logprobs_mode,
+        params.sampler,
     )
 
 

@@ -96,6 +96,9 @@ class FusedDecode:
     head_dim: int
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
+    # deterministic: LoRA shrinks add their K splits in order, and the down projection's shrink is not accumulated
+    # across the gate/up kernel's column tiles by atomics (it gets its own ordered shrink)
+    ordered: bool = False
     choices: dict = field(default_factory=default_choices)
     context: StepContext | None = None
     # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, A, workspace [1, M, R_PAD])
@@ -146,7 +149,7 @@ class FusedDecode:
             return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
         padded = lora_kernels.padded_rank(rank)
         workspace = self.lora.take(len(specs) * x.shape[0] * padded, rank)
-        workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32)
+        workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered, self._scratch())
         return workspace, lora_bs, scales
 
     def _base(self, x: torch.Tensor, specs, gemm: bool):
@@ -239,7 +242,7 @@ class FusedDecode:
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
-        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h):
+        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h) and not self.ordered:
             lora_a = down.loras[0][0]
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)

@@ -7,7 +7,8 @@ live from the model:
 
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
-  in the last bits of fp32);
+  in the last bits of fp32), or, `ordered`, in scratch slots that the tile's last program adds in split order (the
+  result then depends only on the inputs; see `decode_kernels._split_gemm` for the same scheme);
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
@@ -63,6 +64,8 @@ def _shrink_kernel(
     a1_ptr,
     a2_ptr,
     ws_ptr,
+    sp_ptr,
+    cnt_ptr,
     M,
     K,
     R,
@@ -74,6 +77,7 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)
@@ -103,7 +107,32 @@ def _shrink_kernel(
         acc += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
     # the K splits of one (rows, rank) tile meet here; the workspace was zeroed before the launch
     ws = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
+    if ORDERED:
+        acc, last = _ordered_sum(acc, sp_ptr, cnt_ptr, split, BLOCK_M, BLOCK_R)
+        if last:
+            tl.store(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD))
+    else:
+        tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
+
+
+@triton.jit
+def _ordered_sum(acc, sp_ptr, cnt_ptr, split, BM: tl.constexpr, BN: tl.constexpr):
+    """The sum of the tile's partial sums over the K splits (program_id(2)), added in split order by the last program
+    to arrive, and whether this program is that one. sp: fp32 slots [tiles, splits, BM, BN]; cnt: int32 [tiles],
+    zero between launches (the last program resets its tile's)."""
+    splits = tl.num_programs(2)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    slots = sp_ptr + tile.to(tl.int64) * splits * (BM * BN)
+    tl.store(slots + split * (BM * BN) + cells, acc)
+    tl.debug_barrier()  # every thread's partial sums are out before the count is released
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
+    if last:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(0, splits):  # in split order; .cg reads the other SMs' stores from L2
+            acc += tl.load(slots + s * (BM * BN) + cells, cache_modifier=".cg")
+        tl.store(cnt_ptr + tile, 0)
+    return acc, last
 
 
 @triton.jit
@@ -184,9 +213,13 @@ def padded_rank(rank: int) -> int:
     return _pow2_at_least(rank, 16)
 
 
-def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True) -> torch.Tensor:
+def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True,
+            ordered: bool = False, scratch=None) -> torch.Tensor:  # fmt: skip
     """lora_A(x) for up to three adapters at once: returns the fp32 workspace [G, M, R_PAD] holding x · A_iᵀ
-    (zero past the rank). workspace: zeroed fp32 of at least G * M * padded_rank(r) elements, or None."""
+    (zero past the rank). workspace: zeroed fp32 of at least G * M * padded_rank(r) elements, or None.
+
+    ordered: the result depends only on the inputs (K splits added in order in the slots of `scratch`, a
+    `decode_kernels.SplitScratch`; without one, or without room in it during a capture, K is not split)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
@@ -204,16 +237,25 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(TARGET_PROGRAMS, m_tiles * group * r_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
+    slots = counts = workspace  # placeholders for the pointers an unordered launch does not use
+    if ordered and splits > 1:
+        tiles = m_tiles * group * r_blocks
+        held = None if scratch is None else scratch.take(x.device, tiles * splits * block_m * block_r, tiles)
+        if held is None:
+            splits, k_per_split = 1, triton.cdiv(features, block_k) * block_k
+        else:
+            slots, counts = held
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
-        x, *a_args, workspace, rows, features, rank, x.stride(0), k_per_split,
+        x, *a_args, workspace, slots, counts, rows, features, rank, x.stride(0), k_per_split,
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        **pdl.options(x.device),
+        ORDERED=ordered and splits > 1, **pdl.options(x.device),
     )  # fmt: skip
     return workspace[: group * rows * r_pad].view(group, rows, r_pad)
 
 
-def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None) -> None:
+def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None,
+                ordered: bool = False) -> None:  # fmt: skip
     """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
 
     x [M, K]; y_i [M, n_i] contiguous. workspace: zeroed fp32 of at least len(items) * M * padded_rank(r)
@@ -226,7 +268,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     scales = [float(s) for _, (_, _, s) in items]
     rank = lora_bs[0].shape[1]
     r_pad = padded_rank(rank)
-    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32)
+    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = triton.cdiv(rows, block_m)
@@ -253,8 +295,9 @@ class GroupedLoRA:
     decode step instead of one per projection group); calls past it, or of a larger rank, allocate their own.
     """
 
-    def __init__(self, tf32: bool = True):
+    def __init__(self, tf32: bool = True, ordered: bool = False):
         self.tf32 = tf32
+        self.ordered = ordered  # deterministic shrinks (unsplit here: this path holds no scratch)
         self._workspace = None
         self._offset = 0
         self._r_pad = 0
@@ -286,4 +329,4 @@ class GroupedLoRA:
                 continue
             rank = chunk[0][1][0].shape[0]
             workspace = self.take(len(chunk) * x.shape[0] * padded_rank(rank), rank)
-            lora_group_(x, chunk, self.tf32, workspace)
+            lora_group_(x, chunk, self.tf32, workspace, ordered=self.ordered)

@@ -11,6 +11,20 @@ only after its own wait on the one before). `enter` then lets the next kernel be
 graph, the launches keep these programmatic edges. Kernels of other libraries (cuBLAS, compiled norms) launch as
 before and are waited for as before.
 
+Why every chain this builds is ordered, whatever the kernels around it:
+- PDL kernel after PDL kernel: the second's programs touch no memory before `griddepcontrol.wait`, which returns only
+  once the first has completed and its writes are visible: no read-after-write nor write-after-read race.
+- Transitively: a kernel completes only after its own wait returned, so when kernel n+1 passes its wait, kernels
+  n, n-1, ... have all completed; a reader two launches downstream of a writer is as safe as the next one.
+- PDL kernel after another library's kernel (cuBLAS, Inductor): that kernel never signals early, so the dependent is
+  released at its completion, as in ordinary stream order; the wait then returns at once.
+- Another library's kernel after a PDL kernel: launched without the attribute, it starts after the PDL kernel has
+  completed, as always.
+- Host code, copies and other streams see stream order as usual: PDL relaxes only kernel-to-kernel scheduling inside
+  the stream, and a graph replay ends when its last kernel has completed.
+The training-step NaN that once looked like an ordering fault of this chain was cuDNN's SDPA backward
+(`slimrl.ops.attention_backends`): the same collapse happened with SLIMRL_PDL=0, and none once cuDNN's SDPA was off.
+
 `MODE` (`SLIMRL_PDL`, read at import; set it before an engine captures): 1 (default) as above, 0 ordinary launches.
 Import this module only where Triton may be used: it imports triton at import time.
 """

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 LOGPROBS_MODES = ("processed", "temperature", "raw")
+SAMPLERS = ("race", "multinomial")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class SamplingParams:
         model's EOS ids (`generation_config.eos_token_id`), which also end it unless `ignore_eos`.
     seed: seeds the engine's generator for this call; None draws one from torch's default CPU generator, so
         `torch.manual_seed` makes rollouts reproducible.
+    sampler: how a token is drawn from the processed distribution.
+        "race" (default): argmax(probs / E), E ~ Exp(1) from the engine's own generator: no host sync, so it runs
+            inside a captured CUDA graph (and fused, see `sampling_kernel`).
+        "multinomial": `torch.multinomial` on torch's default generator, one draw per row and step for every row of
+            the batch in prompt order, as transformers' `generate(do_sample=True)` draws: with the same seed and
+            logits the engine then samples the same tokens as TRL's transformers path. Eager only (the engine uses
+            it without graphs, one wave, no padding rows); `seed` is then ignored: `torch.manual_seed` seeds it.
     logprobs: return the log-probability of each sampled token.
     logprobs_mode: which distribution those log-probs are taken from:
         "processed" (default): the distribution actually sampled from, after repetition penalty, temperature and the
@@ -52,6 +60,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = True
     logprobs_mode: str = "processed"
+    sampler: str = "race"
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
@@ -67,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}.")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}.")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}.")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -189,7 +200,10 @@ def choose_tokens(
     else:
         filtered = apply_filters(x, params)
         lse = torch.logsumexp(filtered, dim=-1, keepdim=True)
-        tokens = sample(torch.exp(filtered - lse), noise=noise)
+        if params.sampler == "multinomial":  # transformers' own draw: softmax, then torch.multinomial
+            tokens = torch.multinomial(filtered.softmax(dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = sample(torch.exp(filtered - lse), noise=noise)
         if params.logprobs_mode == "processed":
             if not params.logprobs:
                 return tokens, None

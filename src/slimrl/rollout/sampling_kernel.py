@@ -34,7 +34,8 @@ TARGET_PROGRAMS = 2048  # programs per launch to aim for: many in flight hide th
 def applies(params: SamplingParams) -> bool:
     """Whether the fused sampler implements these settings (no filters, no penalty)."""
     return (
-        params.top_k_value == 0
+        params.sampler == "race"
+        and params.top_k_value == 0
         and params.top_p >= 1.0
         and params.min_p_value <= 0.0
         and params.repetition_penalty == 1.0

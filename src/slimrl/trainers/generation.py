@@ -48,12 +48,14 @@ def choose_backend(
     return "engine", "CUDA and a supported architecture"
 
 
-def engine_sampling_params(trainer):
-    """The engine's SamplingParams from TRL's generation settings, with `generation_kwargs` as overrides."""
+def engine_sampling_params(trainer, device: torch.device):
+    """The engine's SamplingParams from TRL's generation settings, with `generation_kwargs` as overrides. Off CUDA
+    the engine draws as transformers' generate does (`sampler="multinomial"`), so a seed gives TRL's completions."""
     from slimrl.rollout.sampling import SamplingParams
 
     args = trainer.args
     settings = dict(
+        sampler="race" if device.type == "cuda" else "multinomial",
         temperature=trainer.temperature,
         top_p=args.top_p,
         top_k=args.top_k or 0,

@@ -1,12 +1,15 @@
 """slimrl's GRPO trainer: TRL's GRPOTrainer with a chunked training step and input validation.
 
-Overrides, each for one reason:
+Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
+- `__init__`: TRL's signature; validates what TRL lets through (dataset columns, reward functions, context length)
+  after TRL's own checks, and wraps reward functions so a failing one names itself.
+- `_generate_single_turn`: rollouts from slimrl's engine (live weights, no copy) when that backend is chosen.
 - `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once) with the
   loss normalised so that the summed gradient equals TRL's; logs TRL's metrics with TRL's names and values.
+- `_get_per_token_logps_and_entropies`: gradient-free scoring passes in the training step's chunk size.
 - `training_step`: measures the step's peak GPU memory and the training phase's tokens per second.
-- `__init__`: validates what TRL lets through (dataset columns, reward functions, context length) and wraps reward
-  functions so a failing one names itself.
-Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's.
+`SlimTrainerMixin` (trainers/base.py) adds the NaN guards and the attention-backend choice around every step.
+Everything else (rewards, advantages, tools and environments, logging, checkpoints) is TRL's.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import math
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import trl
 from accelerate.utils import DistributedType
 from trl.trainer.utils import nanmax, nanmin
 
+from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, plan_chunks, run_chunks, take
+from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
 from slimrl.trainers.grpo_loss import (
     CLIPPED_LOSSES,
     LOSS_TYPES,
@@ -33,9 +37,12 @@ from slimrl.trainers.grpo_loss import (
     sequence_weights,
     weighted_loss_sum,
 )
+from slimrl.trainers.resume import ResumableTrainerMixin
 from slimrl.trainers.rewards_guard import guard_reward_funcs
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; importable from here as before
 
 # Inputs that make a batch multimodal: chunking those needs per-image bookkeeping, so TRL's one-piece loss runs them.
 _MULTIMODAL_KEYS = (
@@ -52,123 +59,8 @@ _MULTIMODAL_KEYS = (
 )
 
 
-@dataclass
-class GRPOConfig(trl.GRPOConfig):
-    """TRL's GRPOConfig plus slimrl's settings, with errors for settings TRL accepts but that cannot work."""
-
-    num_chunks: int | str = field(
-        default="auto",
-        metadata={
-            "help": "Number of chunks each micro-batch's sequences are split into for the forward/backward pass. "
-            "Only one chunk's activations live at once; the gradient is the same for every value. 'auto' picks it "
-            "from the free device memory, the model's shape and the batch's token count (1 on CPU)."
-        },
-    )
-
-    generation_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
-            "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
-            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
-        },
-    )
-    offload_checkpoints: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Park each decoder layer's gradient checkpoint in pinned CPU memory between forward and backward, "
-            "so GPU memory does not grow with the number of layers. None: on when CUDA and gradient_checkpointing."
-        },
-    )
-    mlp_tile_tokens: int = field(
-        default=8192,
-        metadata={
-            "help": "With offloaded checkpoints, recompute each Llama-family decoder MLP over tiles of this many "
-            "tokens, forward and backward per tile, so a long sequence's MLP activations never exist at once (no "
-            "extra compute). 0 disables tiling."
-        },
-    )
-
-    def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and not _bf16_supported(self.use_cpu):
-            self.bf16 = False  # TRL defaults to bf16, which transformers refuses where there is no bf16 GPU
-        self._check_slimrl_fields()
-        self._check_generation_settings()
-        try:
-            super().__post_init__()
-        except ValueError as error:
-            if "must be divisible by num_generations" in str(error):
-                raise ValueError(self._divisibility_message()) from error
-            raise
-
-    def _check_slimrl_fields(self) -> None:
-        if isinstance(self.num_chunks, str):
-            if self.num_chunks.isdigit():
-                self.num_chunks = int(self.num_chunks)
-            elif self.num_chunks != "auto":
-                raise ValueError(f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}.")
-        if isinstance(self.num_chunks, bool) or (isinstance(self.num_chunks, int) and self.num_chunks < 1):
-            raise ValueError(
-                f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}. Use 1 to run each "
-                "micro-batch in one piece, or 'auto' to size chunks from free memory."
-            )
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
-        from slimrl.trainers.generation import BACKENDS
-
-        if self.generation_backend not in BACKENDS:
-            raise ValueError(
-                f"generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}."
-            )
-        if self.generation_backend == "vllm":
-            self.use_vllm = True  # TRL's own vLLM integration
-        if self.mlp_tile_tokens < 0:
-            raise ValueError(f"mlp_tile_tokens must be >= 0 (0 disables MLP tiling), got {self.mlp_tile_tokens}.")
-        if self.offload_checkpoints and not self.gradient_checkpointing:
-            raise ValueError(
-                "offload_checkpoints=True offloads gradient checkpoints, but gradient_checkpointing is False. "
-                "Set gradient_checkpointing=True, or leave offload_checkpoints unset."
-            )
-
-    def _check_generation_settings(self) -> None:
-        if self.num_generations is not None and self.num_generations < 2:
-            raise ValueError(
-                f"num_generations={self.num_generations}: GRPO compares each completion with the others of its prompt, "
-                "so it needs at least 2 generations per prompt. Set num_generations to 2 or more (8 is common)."
-            )
-        if self.temperature <= 0:
-            raise ValueError(
-                f"temperature={self.temperature}: GRPO samples completions and scores them at this temperature, so "
-                "it must be > 0 (greedy decoding would make every completion of a prompt identical). Use e.g. 1.0."
-            )
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be positive; LoRA usually uses 5e-6 to 5e-4.")
-        if self.learning_rate >= 1e-2:
-            warnings.warn(
-                f"learning_rate={self.learning_rate} is far above what LoRA fine-tuning tolerates (typically 5e-6 to "
-                "5e-4) and will likely diverge; lower it unless you know why you need it.",
-                UserWarning,
-                stacklevel=3,
-            )
-
-    def _divisibility_message(self) -> str:
-        groups = self.num_generations
-        per_step = self.generation_batch_size
-        return (
-            f"The generation batch holds {per_step} completions (per_device_train_batch_size="
-            f"{self.per_device_train_batch_size} x processes x steps_per_generation={self.steps_per_generation}), "
-            f"which is not a multiple of num_generations={groups}, so some prompt would get a partial group. "
-            f"Make per_device_train_batch_size x steps_per_generation a multiple of {groups} (e.g. "
-            f"per_device_train_batch_size={groups}), or set generation_batch_size to a multiple of {groups}."
-        )
-
-
 def _is_multimodal(values) -> bool:
     return any(values.get(key) is not None for key in _MULTIMODAL_KEYS)
-
-
-def _bf16_supported(use_cpu: bool) -> bool:
-    return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 class _MetricSums:
@@ -191,19 +83,17 @@ class _MetricSums:
         self.per_sequence[name].append(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
     _tag_names = [*trl.GRPOTrainer._tag_names, "slimrl"]
 
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *positional, **kwargs):
-        if args is not None and not isinstance(args, GRPOConfig):
-            # A plain trl.GRPOConfig works; it gets slimrl's defaults for the fields it lacks.
-            for name in ("num_chunks", "offload_checkpoints", "mlp_tile_tokens", "generation_backend"):
-                if not hasattr(args, name):
-                    setattr(args, name, GRPOConfig.__dataclass_fields__[name].default)
-        _check_dataset(train_dataset, "train_dataset")
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *positional, **kwargs):
+        # contract: TRL's arguments, positions and defaults; args=None gets slimrl's GRPOConfig named as TRL names it
+        # TRL's signature and defaults; slimrl's checks run after TRL's own, so TRL's errors keep their text
+        args = with_slimrl_fields(args, model)
         super().__init__(model, reward_funcs, args, train_dataset, *positional, **kwargs)
+        _check_dataset(train_dataset, "train_dataset", self.environment_factories is not None)
         _check_context_length(self.model, self.args.max_completion_length)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()
@@ -241,6 +131,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # contract: (completion ids per prompt, EOS included and nothing after it; per-token log-probs or None),
+        # prompts in order, no grad, the model left in the train/eval mode it had
         # slimrl's engine decodes with the training weights and the live adapter; TRL's paths serve the rest
         if self._generation_backend != "engine" or images is not None or multimodal_fields:
             return super()._generate_single_turn(
@@ -260,17 +152,40 @@ class GRPOTrainer(trl.GRPOTrainer):
                 if getattr(options, "fast_inference", False)
                 else None,
                 tokenizer=self._tokenizer,
+                deterministic=self.args.deterministic_rollouts,
             )
+        params = engine_sampling_params(self, self._rollout_engine.device)
         with inference_mode(model):
-            output = self._rollout_engine.generate(
-                prompt_ids, engine_sampling_params(self), max_new_tokens=self.max_completion_length
-            )
+            output = self._rollout_engine.generate(prompt_ids, params, max_new_tokens=self.max_completion_length)
         self._rollout_engine.release()  # the KV cache goes back to training
         return output.completion_ids, output.logprobs
+
+    @property
+    def generation_backend(self) -> str:
+        """Who generates this trainer's rollouts: "engine", "transformers" or "vllm" (see GRPOConfig)."""
+        return self._generation_backend
+
+    @property
+    def rollout_engine(self):
+        """slimrl's RolloutEngine once it has generated (None before, or with another backend)."""
+        return self._rollout_engine
+
+    @property
+    def last_auto_chunks(self) -> int | None:
+        """The chunk count num_chunks="auto" chose for the latest micro-batch (None before any, or on CPU)."""
+        return getattr(self, "_last_auto_chunks", None)
+
+    def generate_completion_ids(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list | None]:
+        """One completion per token-id prompt from the policy as it is now, by this trainer's backend (slimrl's
+        engine, or TRL's path): for a `rollout_func` that runs its own loop. Returns (completion ids, their
+        log-probs, or None where the backend gives none)."""
+        return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # contract: a scalar loss whose backward() completes TRL's gradient (earlier chunks already backpropagated),
+        # TRL's metrics appended to self._metrics[mode] once per micro-batch, eval mode under no_grad unchanged
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         self._start_training_phase(inputs)
@@ -411,6 +326,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):  # fmt: skip
+        # contract: TRL's (logps [B, T], entropies [B, T] or None, extra) with the same values; only the batch size
+        # of the gradient-free passes changes
         # Gradient-free scoring passes (old and reference log-probs) run in the training step's chunks, so they never
         # hold more activations than a training chunk does. Rows are scored independently: same values.
         if not torch.is_grad_enabled() and not _is_multimodal(kwargs) and input_ids.size(0) > 1:
@@ -493,6 +410,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     # -- step measurements -----------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch):
+        # contract: the detached loss TRL returns; adds peak_gpu_memory_GiB / train_tokens_per_second to _metrics
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._phase_start = None
@@ -520,13 +438,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._phase_start = None
 
 
-def _check_dataset(dataset, name: str) -> None:
+def _check_dataset(dataset, name: str, has_environments: bool = False) -> None:
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict passed where a split was expected
         raise ValueError(
             f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
         )
-    if columns is not None and "prompt" not in columns:
+    # with environment_factory an environment may produce the prompt (TRL's datasets then carry `environment`)
+    if columns is not None and "prompt" not in columns and not has_environments:
         raise ValueError(
             f"{name} has columns {columns} but GRPO needs a 'prompt' column (a string, or a list of chat messages). "
             f"Rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
@@ -534,19 +453,24 @@ def _check_dataset(dataset, name: str) -> None:
 
 
 def _check_context_length(model, max_completion_length: int | None) -> None:
+    """An error when the completions cannot fit the context slimrl was told to size for (FastLanguageModel's
+    max_seq_length: the engine's cache and RoPE tables end there); a warning when they only pass the model's
+    max_position_embeddings, which transformers' RoPE runs past as TRL does, at a quality the model was not trained
+    for."""
     if max_completion_length is None:
         return
-    options = getattr(model, "slimrl_options", None)
-    limit = getattr(options, "max_seq_length", None)
-    source = "max_seq_length given to FastLanguageModel.from_pretrained"
-    if limit is None:
-        config = getattr(model, "config", None)
-        text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-        limit = getattr(text_config, "max_position_embeddings", None)
-        source = "the model's max_position_embeddings"
+    limit = getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
+    message = ("max_completion_length={} does not fit the model's context of {} tokens ({}) with any prompt. Lower "
+               "max_completion_length below {} minus your longest prompt, or load the model with a larger "
+               "max_seq_length.")  # fmt: skip
+    if limit is not None:
+        if max_completion_length >= limit:
+            raise ValueError(message.format(max_completion_length, limit, "max_seq_length given to "
+                                            "FastLanguageModel.from_pretrained", limit))  # fmt: skip
+        return
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
     if limit is not None and max_completion_length >= limit:
-        raise ValueError(
-            f"max_completion_length={max_completion_length} does not fit the model's context of {limit} tokens "
-            f"({source}) with any prompt. Lower max_completion_length below {limit} minus your longest prompt, "
-            "or load the model with a larger max_seq_length."
-        )
+        warnings.warn(message.format(max_completion_length, limit, "the model's max_position_embeddings", limit),
+                      UserWarning, stacklevel=3)  # fmt: skip
