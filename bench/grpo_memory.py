@@ -109,8 +109,8 @@ def measure(trainer, length: int, beta: float) -> dict:
     result.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), s=round(seconds, 3),
                   loss=loss.item(), grad_norm=torch.stack(grads).sum().sqrt().item(),
                   tokens=B * (P + length))  # fmt: skip
-    if hasattr(trainer, "_last_auto_chunks"):
-        result["num_chunks"] = trainer._last_auto_chunks
+    if hasattr(trainer, "last_auto_chunks"):
+        result["num_chunks"] = trainer.last_auto_chunks
     model.zero_grad(set_to_none=True)
     return result
 

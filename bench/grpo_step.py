@@ -23,6 +23,19 @@ slimrl runs first, and the JSON is rewritten after every step, so a run cut shor
                               [--completion-length 1024] [--slimrl-backend auto] [--tiny]
 
 --tiny runs a 2-layer Qwen2 from slimrl.testing with short prompts and completions: a CPU smoke run.
+
+--real: W3 on a real model and task instead of W1's random one: SmolLM2-135M-Instruct (bf16 on CUDA) with the
+demo's LoRA (FastLanguageModel.get_peft_model, r=16, alpha 32, the seven projections, seeded), the demo's arithmetic
+problems (slimrl.data, train split, medium, as plain chat prompts) and rewards (exact answer, format), completions
+up to --completion-length 256 tokens (the model stops at its EOS, so lengths vary from step to step), 30 steps for
+both trainers (--steps, --trl-steps); the other settings are W3's above. With --tiny it runs slimrl.testing's 2-layer
+Llama through the same code (a CPU smoke run).
+
+    python bench/grpo_step.py $OUT/w3_real.json --real [--steps 30] [--trl-steps 30] [--completion-length 256]
+
+Per side the summary also gives the median training seconds over the steps after the first, the largest of those
+over that median (stall ratio), and the mean step; the speedups (TRL / slimrl) are given for the mean step, the
+mean and median training phase, and step by step.
 The exit status is 1 when a side raised (its traceback is in the JSON) or slimrl did not generate with its engine
 on CUDA.
 """
@@ -30,10 +43,8 @@ on CUDA.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -42,16 +53,17 @@ import time
 import traceback
 from pathlib import Path
 
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-    os.environ.setdefault(_name, "1")  # there is no hub on the GPU machine: fail fast instead of retrying
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # a test loads this file by path
 import torch  # noqa: E402
+from common import Report, default_output, environment, markdown_table, mean, median, rounded  # noqa: E402
 
 V = 151936
+REAL_MODEL = "SmolLM2-135M-Instruct"
 SIDES = ("slimrl", "trl")  # slimrl first: its steps are short, so a run cut off by a time limit still has them
-SUMMARY_KEYS = ("step_s", "generation_s", "reward_s", "training_s", "peak_GiB", "loss", "reward",
-                "completion_mean_length")  # fmt: skip
+PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
+SUMMARY_KEYS = (*PHASE_KEYS, "peak_GiB", "loss", "reward", "completion_mean_length")
 # The prompt's bulk: fixed text in the system message, cut so each prompt is --prompt-tokens tokens long.
 PREAMBLE = (
     "You are a careful calculator. Each question below asks for the result of adding or subtracting two whole "
@@ -72,7 +84,32 @@ LOG_FIELDS = {  # per-step record field -> the trainer's logged metric
 # -- model, tokenizer, data ------------------------------------------------------------------------------------------
 
 
-def build_model(tiny: bool, device: str, seed: int = 0, context: int = 32768):
+def build_model(args, device: str, context: int):
+    """(model with its LoRA adapter, its tokenizer or None where the run shares one) for --real or W1."""
+    if args.real:
+        return build_real_model(args.tiny, device, args.seed, context)
+    return build_w1_model(args.tiny, device, args.seed, context), None
+
+
+def build_real_model(tiny: bool, device: str, seed: int, context: int):
+    """SmolLM2-135M-Instruct (bf16 on CUDA, fp32 on the CPU; slimrl.testing's 2-layer Llama for --tiny) with the
+    demo's LoRA adapter (r=16, alpha 32, the seven projections) initialised from `seed`, and its tokenizer."""
+    from slimrl import FastLanguageModel
+
+    if tiny:
+        from slimrl.testing import tiny_model, tiny_tokenizer
+
+        model, tokenizer = tiny_model("llama", max_position_embeddings=max(512, context)).to(device), tiny_tokenizer()
+    else:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model, tokenizer = FastLanguageModel.from_pretrained(REAL_MODEL, max_seq_length=max(1024, context),
+                                                             dtype=dtype, device_map={"": device})  # fmt: skip
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
+                                             random_state=seed)  # fmt: skip
+    return model, tokenizer
+
+
+def build_w1_model(tiny: bool, device: str, seed: int = 0, context: int = 32768):
     """W1's model with its LoRA adapter (or a 2-layer Qwen2 for --tiny), freshly initialised from `seed`; `context`
     is the longest prompt + completion it must take."""
     from peft import LoraConfig, get_peft_model
@@ -163,6 +200,15 @@ def build_dataset(tokenizer, rows: int, prompt_tokens: int, seed: int = 0):
     return Dataset.from_dict({"prompt": prompts, "answer": problems["answer"]})
 
 
+def real_data(rows: int, seed: int) -> dict:
+    """The demo's problems (train split, medium) and reward functions; the tokenizer comes with the model."""
+    from slimrl.data import arithmetic_dataset
+    from slimrl.rewards import exact_answer_reward, format_reward
+
+    return {"dataset": arithmetic_dataset(rows, seed=seed, difficulty="medium", split="train"), "tokenizer": None,
+            "rewards": [exact_answer_reward, format_reward]}  # fmt: skip
+
+
 def reward_functions(completion_length: int) -> list:
     """Rewards read from the decoded text: the right final number, the one-line format, and a penalty for text
     beyond half the token budget in characters (it varies with the decoded length, so even a random model's
@@ -184,7 +230,7 @@ def grpo_settings(args, steps: int, output_dir: str, cuda: bool) -> dict:
                 logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)  # fmt: skip
 
 
-def build_trainer(kind: str, model, tokenizer, dataset, args, steps: int, output_dir: str, cuda: bool):
+def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, output_dir: str, cuda: bool):
     settings = grpo_settings(args, steps, output_dir, cuda)
     if kind == "trl":
         from trl import GRPOConfig, GRPOTrainer
@@ -192,13 +238,13 @@ def build_trainer(kind: str, model, tokenizer, dataset, args, steps: int, output
         from slimrl import GRPOConfig, GRPOTrainer
 
         settings.update(num_chunks="auto", generation_backend=args.slimrl_backend)
-    return GRPOTrainer(model=model, reward_funcs=reward_functions(args.completion_length),
-                       args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    return GRPOTrainer(model=model, reward_funcs=data["rewards"], args=GRPOConfig(**settings),
+                       train_dataset=data["dataset"], processing_class=tokenizer)  # fmt: skip
 
 
 def generation_backend(trainer) -> str:
     """Who generated this trainer's rollouts: slimrl's choice where it made one, else TRL's configured path."""
-    chosen = getattr(trainer, "_generation_backend", None)
+    chosen = getattr(trainer, "generation_backend", None)
     if chosen is not None:
         return chosen
     if trainer.use_vllm:
@@ -206,15 +252,18 @@ def generation_backend(trainer) -> str:
     return "transformers_continuous_batching" if trainer.args.use_transformers_continuous_batching else "transformers"
 
 
+def rollout_engine(trainer):
+    """slimrl's rollout engine, if the trainer built one (the trainer has no public accessor for it yet)."""
+    return getattr(trainer, "rollout_engine", None)
+
+
 def engine_config(trainer) -> dict | None:
-    """The settings of slimrl's rollout engine, if the trainer built one."""
-    engine = getattr(trainer, "_rollout_engine", None)
+    """The public settings of slimrl's rollout engine, if the trainer built one."""
+    engine = rollout_engine(trainer)
     if engine is None:
         return None
     return {"grouped_decode": getattr(engine, "grouped_decode", None), "tf32_adapters": getattr(engine, "tf32", None),
-            "triton_attention": getattr(engine, "_attention_kernel", None) is not None,
-            "fused_decode": getattr(engine, "_fused", None) is not None,
-            "cuda_graphs": getattr(engine, "use_graphs", None),
+            "deterministic": getattr(engine, "deterministic", None), "cuda_graphs": getattr(engine, "use_graphs", None),
             "compile": getattr(engine, "use_compile", None)}  # fmt: skip
 
 
@@ -232,103 +281,68 @@ def offloaded_checkpointing(model) -> bool | None:
 # -- timing ----------------------------------------------------------------------------------------------------------
 
 
-def step_timer_class():
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        """Times each optimizer step and the phases inside it; merges the trainer's per-step logs into the record.
-
-        The phases are measured by wrapping the trainer instance's methods (not the class), so the same code times
-        TRL and slimrl; the training phase is the step minus the other two."""
-
-        def __init__(self, trainer, records: list[dict], on_record, cuda: bool):
-            self.trainer, self.records, self.on_record, self.cuda = trainer, records, on_record, cuda
-            self.current: dict | None = None
-            self.start = 0.0
-            self._wrap("_generate_single_turn", "generation")
-            self._wrap("_calculate_rewards", "reward")
-
-        def clock(self) -> float:
-            if self.cuda:
-                torch.cuda.synchronize()
-            return time.perf_counter()
-
-        def _wrap(self, name: str, phase: str) -> None:
-            method = getattr(self.trainer, name)  # bound to the instance; the class keeps its own
-
-            @functools.wraps(method)
-            def timed(*args, **kwargs):
-                if phase == "generation" and self.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                start = self.clock()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    elapsed = self.clock() - start
-                    if self.current is not None:
-                        self.current[f"{phase}_s"] += elapsed
-                        if phase == "generation":
-                            self._after_generation()
-
-            setattr(self.trainer, name, timed)
-
-        def _after_generation(self) -> None:
-            if self.cuda:
-                self.current["generation_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-                torch.cuda.reset_peak_memory_stats()  # what follows is the reward and training phases' peak
-            stats = getattr(getattr(self.trainer, "_rollout_engine", None), "last_stats", None)
-            if stats:
-                self.current["engine_stats"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in
-                                                stats.items()}  # fmt: skip
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            self.current = {"step": state.global_step + 1, "generation_s": 0.0, "reward_s": 0.0}
-            self.start = self.clock()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            record, self.current = self.current, None
-            if record is None:
-                return
-            record["step_s"] = self.clock() - self.start
-            record["training_s"] = record["step_s"] - record["generation_s"] - record["reward_s"]
-            if self.cuda:
-                rest = torch.cuda.max_memory_allocated() / 2**30
-                record["training_peak_GiB"] = rest
-                record["peak_GiB"] = max(rest, record.get("generation_peak_GiB", 0.0))
-            self.records.append(record)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            record = next((r for r in reversed(self.records) if r["step"] == state.global_step), None)
-            if record is None or not logs or "loss" not in logs:
-                return
-            record.update({field: logs[key] for field, key in LOG_FIELDS.items() if key in logs})
-            record["logs"] = {k: v for k, v in logs.items() if isinstance(v, int | float | str)}
-            self.on_record(record)
-
-    return StepTimer
-
-
-def rounded(record: dict) -> dict:
-    return {k: round(v, 4) if isinstance(v, float) and k not in LOG_FIELDS else v for k, v in record.items()}
+def record_view(record: dict) -> dict:
+    """A step record for the JSON: timings rounded, the trainer's logged values as they are."""
+    return {k: v if k in LOG_FIELDS else rounded(v) for k, v in record.items()}
 
 
 def summarise(records: list[dict]) -> dict:
-    """Means over all steps and over all but the first (warm-up: compilation and graph capture)."""
+    """Means over all steps and over all but the first (warm-up: compilation and graph capture); the training
+    phase's median and its largest step (the stall ratio) over the steps after the first."""
 
-    def mean(rows: list[dict], key: str) -> float | None:
-        values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
-        return round(sum(values) / len(values), 4) if values else None
+    def means(rows: list[dict]) -> dict:
+        return {k: rounded(mean(r.get(k) for r in rows)) for k in SUMMARY_KEYS}
 
-    summary = {"mean_all": {k: mean(records, k) for k in SUMMARY_KEYS}}
-    summary["mean_after_first"] = {k: mean(records[1:], k) for k in SUMMARY_KEYS} if len(records) > 1 else None
+    summary = {"mean_all": means(records), "mean_after_first": means(records[1:]) if len(records) > 1 else None}
     peaks = [r["peak_GiB"] for r in records if "peak_GiB" in r]
     summary["peak_GiB"] = round(max(peaks), 3) if peaks else None
+    later = [r["training_s"] for r in records[1:]]
+    typical = median(later)
+    summary["training_median_after_first"] = rounded(typical)
+    summary["training_max_after_first"] = rounded(max(later)) if later else None
+    summary["stall_ratio"] = round(max(later) / typical, 2) if later and typical else None
+    summary["step_mean"] = rounded(mean(r["step_s"] for r in records))
     return summary
 
 
 # -- one side --------------------------------------------------------------------------------------------------------
+
+
+def build_side(kind: str, steps: int, args, data: dict, side: dict, held: dict, cuda: bool) -> None:
+    """Build `kind`'s model and trainer into `held` (so the caller can free them whatever happens)."""
+    start = time.perf_counter()
+    if cuda:
+        torch.cuda.empty_cache()
+        side["allocated_before_build_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+    context = (args.prompt_tokens or 512) + args.completion_length
+    held["model"], tokenizer = build_model(args, "cuda" if cuda else "cpu", context)
+    tokenizer = tokenizer or data["tokenizer"]
+    if cuda:
+        side["resident_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+    if args.real:
+        lengths = [prompt_length(tokenizer, p) for p in data["dataset"]["prompt"]]
+        side["prompt_tokens_min_max"] = [min(lengths), max(lengths)]
+    trainer = held["trainer"] = build_trainer(kind, held["model"], tokenizer, data, args, steps, held["dir"], cuda)
+    side["generation_backend"] = generation_backend(trainer)
+    side["trainer"] = f"{type(trainer).__module__}.{type(trainer).__name__}"
+    side["build_s"] = round(time.perf_counter() - start, 2)
+
+
+def finish_side(side: dict, held: dict, records: list[dict]) -> None:
+    """What the run left to record: the engine's settings (then its memory freed), chunks, checkpointing, summary."""
+    trainer, model = held.get("trainer"), held.get("model")
+    if trainer is not None:
+        side["engine"] = engine_config(trainer)
+        side["engine_used"] = any("engine_stats" in r for r in records)
+        side["num_chunks"] = getattr(trainer, "last_auto_chunks", None)  # slimrl's last automatic choice
+        engine = rollout_engine(trainer)
+        if engine is not None:
+            engine.release(keep_graph=False)  # its graphs and cache must not count against the next side
+    if model is not None:
+        side["offloaded_checkpointing"] = offloaded_checkpointing(model)
+    side["steps_run"] = len(records)
+    side["steps"] = [record_view(r) for r in records]
+    side.update(summarise(records))
 
 
 def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) -> None:
@@ -336,35 +350,26 @@ def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) ->
     raised."""
     from transformers import PrinterCallback
 
-    device = "cuda" if cuda else "cpu"
-    records: list[dict] = []
-    side.update(status="running", steps_requested=steps, steps_run=0, steps=records)
-    output_dir = tempfile.mkdtemp(prefix=f"w3-{kind}-")
-    model = trainer = None
+    from slimrl.trainers.step_timer import StepTimer
 
-    def on_record(record):
-        side["steps_run"] = len(records)
-        side["steps"] = [rounded(r) for r in records]
-        print(json.dumps({kind: {k: v for k, v in rounded(record).items() if k != "logs"}}), flush=True)
+    side.update(status="running", steps_requested=steps, steps_run=0, steps=[])
+    held = {"dir": tempfile.mkdtemp(prefix=f"w3-{kind}-")}
+
+    def on_step(record):
+        record.update({field: record["logs"][key] for field, key in LOG_FIELDS.items() if key in record["logs"]})
+        side["steps_run"] = len(timer.steps)
+        side["steps"] = [record_view(r) for r in timer.steps]
+        print(json.dumps({kind: {k: v for k, v in record_view(record).items() if k != "logs"}}), flush=True)
         save()
 
+    timer = StepTimer(on_step=on_step, track_memory=True)
     try:
-        start = time.perf_counter()
-        if cuda:
-            torch.cuda.empty_cache()
-            side["allocated_before_build_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 3)
-        model = build_model(args.tiny, device, seed=args.seed, context=args.prompt_tokens + args.completion_length)
-        if cuda:
-            side["resident_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 3)
-        trainer = build_trainer(kind, model, data["tokenizer"], data["dataset"], args, steps, output_dir, cuda)
-        side["generation_backend"] = generation_backend(trainer)
-        side["trainer"] = f"{type(trainer).__module__}.{type(trainer).__name__}"
-        side["build_s"] = round(time.perf_counter() - start, 2)
-        trainer.add_callback(step_timer_class()(trainer, records, on_record, cuda))
-        trainer.remove_callback(PrinterCallback)  # the timer prints one line per step instead
+        build_side(kind, steps, args, data, side, held, cuda)
+        timer.attach(held["trainer"])
+        held["trainer"].remove_callback(PrinterCallback)  # the timer prints one line per step instead
         save()
         start = time.perf_counter()
-        trainer.train()
+        held["trainer"].train()
         side["train_wall_s"] = round(time.perf_counter() - start, 2)
         side["status"] = "ok"
     except Exception:  # noqa: BLE001 - a failing side is reported and the other still runs
@@ -372,105 +377,84 @@ def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) ->
         side["error"] = traceback.format_exc()
         traceback.print_exc()
     finally:
-        if trainer is not None:
-            side["engine"] = engine_config(trainer)
-            side["engine_used"] = any("engine_stats" in r for r in records)
-            side["num_chunks"] = getattr(trainer, "_last_auto_chunks", None)  # slimrl's last automatic choice
-            engine = getattr(trainer, "_rollout_engine", None)
-            if engine is not None:
-                engine.release(keep_graph=False)  # its graphs and cache must not count against the next side
-        if model is not None:
-            side["offloaded_checkpointing"] = offloaded_checkpointing(model)
-        side["steps_run"] = len(records)
-        side["steps"] = [rounded(r) for r in records]
-        side.update(summarise(records))
-        del model, trainer
+        finish_side(side, held, timer.steps)
+        timer.detach()
+        shutil.rmtree(held.pop("dir"), ignore_errors=True)
+        held.clear()  # the model and trainer: freed before the next side is built
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        shutil.rmtree(output_dir, ignore_errors=True)
         save()
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
 
 
+def ratio(a, b) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
 def speedups(report: dict) -> dict | None:
-    """TRL's seconds over slimrl's, per step and per phase, on both means (after the first step, and all steps)."""
+    """TRL's seconds over slimrl's: per phase on both means (after the first step, and all steps), the training
+    phase's median after the first step, and step by step (whole step and training phase) where both ran it."""
     trl, slim = report["sides"].get("trl", {}), report["sides"].get("slimrl", {})
     result = {}
     for basis in ("mean_after_first", "mean_all"):
         a, b = trl.get(basis), slim.get(basis)
-        if not a or not b:
-            continue
-        result[basis] = {
-            key: round(a[key] / b[key], 2) if a.get(key) and b.get(key) else None
-            for key in ("step_s", "generation_s", "reward_s", "training_s")
-        }
-    return result or None
-
-
-def environment(cuda: bool) -> dict:
-    import peft
-    import transformers
-    import trl
-
-    import slimrl
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
-                "peft": peft.__version__, "slimrl": slimrl.__version__, "python": sys.version.split()[0]}  # fmt: skip
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "versions": versions}
+        if a and b:
+            result[basis] = {key: ratio(a.get(key), b.get(key)) for key in PHASE_KEYS}
+    if not result:
+        return None
+    result["training_median_after_first"] = ratio(trl.get("training_median_after_first"),
+                                                  slim.get("training_median_after_first"))  # fmt: skip
+    pairs = list(zip(trl.get("steps", []), slim.get("steps", []), strict=False))
+    result["per_step"] = {key: [ratio(a.get(key), b.get(key)) for a, b in pairs] for key in ("step_s", "training_s")}
+    return result
 
 
 def print_summary(report: dict) -> None:
-    rows = [("side", "steps", "backend", "step s", "gen s", "reward s", "train s", "peak GiB", "first step s")]
+    header = ["side", "steps", "backend", "step s", "gen s", "reward s", "train s", "train median s", "stall ratio",
+              "peak GiB", "first step s"]  # fmt: skip
+    rows = []
     for kind, side in report["sides"].items():
         if side.get("status") == "skipped":
             continue
-        mean = side.get("mean_after_first") or side.get("mean_all") or {}
+        means = side.get("mean_after_first") or side.get("mean_all") or {}
         first = side["steps"][0]["step_s"] if side.get("steps") else None
-        rows.append((kind, f"{side.get('steps_run', 0)}/{side.get('steps_requested')}",
-                     str(side.get("generation_backend")),
-                     *(str(mean.get(k)) for k in ("step_s", "generation_s", "reward_s", "training_s")),
-                     str(side.get("peak_GiB")), str(first)))  # fmt: skip
-    for basis, ratios in (report.get("speedup") or {}).items():
-        rows.append(("TRL/slimrl", basis, "", *(str(ratios[k]) for k in ("step_s", "generation_s", "reward_s",
-                                                                          "training_s")), "", ""))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        rows.append([kind, f"{side.get('steps_run', 0)}/{side.get('steps_requested')}", side.get("generation_backend"),
+                     *(means.get(k) for k in PHASE_KEYS), side.get("training_median_after_first"),
+                     side.get("stall_ratio"), side.get("peak_GiB"), first])  # fmt: skip
+    speedup = report.get("speedup") or {}
+    for basis in ("mean_after_first", "mean_all"):
+        if basis in speedup:
+            rows.append(["TRL/slimrl", basis, None, *(speedup[basis][k] for k in PHASE_KEYS),
+                         speedup.get("training_median_after_first"), None, None, None])  # fmt: skip
     print("\nW3: seconds per step (means over all steps but the first, where there are two or more)")
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(markdown_table(header, rows))
     for problem in report["problems"]:
         print(f"PROBLEM: {problem.splitlines()[0]}")
 
 
-def settings_record(args, vocab: int, tokenizer_vocab: int, prompt_lengths: list[int], cuda: bool) -> dict:
-    return {
-        "model_vocab": vocab,
-        "tokenizer_vocab": tokenizer_vocab,
-        "prompts_per_step": 1,
-        "num_generations": 8,
-        "prompt_tokens": args.prompt_tokens,
-        "prompt_tokens_min_max": [min(prompt_lengths), max(prompt_lengths)],
-        "completion_length": args.completion_length,
-        "temperature": 1.0,
-        "loss_type": "dapo",
-        "beta": 0.0,
-        "learning_rate": 1e-5,
-        "lr_scheduler": "constant",
-        "gradient_checkpointing": True,
-        "bf16": cuda and not args.tiny,
-        "seed": args.seed,
-        "slimrl_backend": args.slimrl_backend,
-        "rewards": [getattr(f, "__name__", str(f)) for f in reward_functions(args.completion_length)],
-        "steps": {"slimrl": args.steps, "trl": args.trl_steps},
-    }
+def settings_record(args, data: dict, cuda: bool) -> dict:
+    """The run's settings; W1's prompt padding where it applies."""
+    if args.real:
+        record = {"model": "tiny llama" if args.tiny else REAL_MODEL, "lora": {"r": 16, "alpha": 32},
+                  "data": "slimrl.data arithmetic problems, train split, medium, prompts as they are"}  # fmt: skip
+    else:
+        from slimrl.testing import TINY_VOCAB
+
+        tokenizer = data["tokenizer"]
+        lengths = [prompt_length(tokenizer, p) for p in data["dataset"]["prompt"]]
+        record = {"model": "tiny qwen2" if args.tiny else "W1", "lora": {"r": 8 if args.tiny else 64},
+                  "model_vocab": TINY_VOCAB if args.tiny else V, "tokenizer_vocab": len(tokenizer),
+                  "prompt_tokens": args.prompt_tokens,
+                  "prompt_tokens_min_max": [min(lengths), max(lengths)]}  # fmt: skip
+    record.update(prompts_per_step=1, num_generations=8, completion_length=args.completion_length, temperature=1.0,
+                  loss_type="dapo", beta=0.0, learning_rate=1e-5, lr_scheduler="constant", gradient_checkpointing=True,
+                  bf16=cuda and not args.tiny, seed=args.seed, slimrl_backend=args.slimrl_backend,
+                  rewards=[getattr(f, "__name__", str(f)) for f in data["rewards"]],
+                  steps={"slimrl": args.steps, "trl": args.trl_steps})  # fmt: skip
+    return record
 
 
 def engine_generated(side: dict) -> bool:
@@ -480,72 +464,89 @@ def engine_generated(side: dict) -> bool:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "grpo_step.json"))
-    parser.add_argument("--steps", type=int, default=10, help="slimrl's training steps")
-    parser.add_argument("--trl-steps", type=int, default=3, help="TRL's training steps (about 2 minutes each)")
+    parser.add_argument("out", nargs="?", default=default_output("grpo_step.json"))
+    parser.add_argument("--real", action="store_true", help=f"{REAL_MODEL} on the demo's task instead of W1's model")
+    parser.add_argument("--steps", type=int, default=None, help="slimrl's steps (default 10, 30 with --real)")
+    parser.add_argument("--trl-steps", type=int, default=None,
+                        help="TRL's steps (default 3: about 2 minutes each on W1; 30 with --real)")  # fmt: skip
     parser.add_argument("--skip", nargs="*", default=[], choices=SIDES)
-    parser.add_argument("--completion-length", type=int, default=None, help="default 1024 (32 with --tiny)")
-    parser.add_argument("--prompt-tokens", type=int, default=None, help="default 256 (128 with --tiny)")
+    parser.add_argument("--completion-length", type=int, default=None,
+                        help="default 1024 (256 with --real; 32 with --tiny, 16 with --real --tiny)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="W1: default 256 (128 with --tiny)")
     parser.add_argument("--slimrl-backend", default="auto", choices=("auto", "engine", "transformers"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer Qwen2 from slimrl.testing: a CPU smoke run")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model from slimrl.testing: a CPU smoke run")
     args = parser.parse_args(argv)
+    if args.real and args.prompt_tokens is not None:
+        parser.error("--prompt-tokens pads W1's prompts; --real uses the demo's prompts as they are")
     if args.completion_length is None:
-        args.completion_length = 32 if args.tiny else 1024
-    if args.prompt_tokens is None:
+        args.completion_length = {(False, False): 1024, (False, True): 32, (True, False): 256, (True, True): 16}[
+            (args.real, args.tiny)
+        ]
+    if args.prompt_tokens is None and not args.real:
         args.prompt_tokens = 128 if args.tiny else 256
+    args.steps = args.steps or (30 if args.real else 10)
+    args.trl_steps = args.trl_steps or (30 if args.real else 3)
     if min(args.steps, args.trl_steps) < 1:
         parser.error("--steps and --trl-steps must be at least 1")
     return args
 
 
-def main(argv=None) -> dict:
+def build_data(args) -> dict:
+    """The dataset, reward functions and (W1) shared tokenizer both sides train on."""
+    rows = max(args.steps, args.trl_steps, 8)
+    if args.real:
+        return real_data(rows, args.seed)
+    from slimrl.testing import TINY_VOCAB
+
+    tokenizer = offline_tokenizer(TINY_VOCAB if args.tiny else V)
+    dataset = build_dataset(tokenizer, rows, args.prompt_tokens, seed=args.seed)
+    return {"tokenizer": tokenizer, "dataset": dataset, "rewards": reward_functions(args.completion_length)}
+
+
+TIMING = (
+    "per optimizer step, on_step_begin to on_step_end, CUDA-synchronised (slimrl.trainers.step_timer): generation = "
+    "_generate_single_turn, reward = _calculate_rewards, training = the rest of the step. Peak memory is reset when "
+    "generation starts and ends: generation_peak_GiB and training_peak_GiB (reward + training) per step; slimrl's own "
+    "logged peak_gpu_memory_GiB therefore covers the training phase only"
+)
+
+
+def main(argv=None) -> Report:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     cuda = torch.cuda.is_available()
-    from slimrl.testing import TINY_VOCAB
-
-    vocab = TINY_VOCAB if args.tiny else V
-    tokenizer = offline_tokenizer(vocab)
-    dataset = build_dataset(tokenizer, max(args.steps, args.trl_steps, 8), args.prompt_tokens, seed=args.seed)
-    lengths = [prompt_length(tokenizer, p) for p in dataset["prompt"]]
-    report = {
-        "workload": "W3",
-        "command": shlex.join(["python", "bench/grpo_step.py", *argv]),
-        **environment(cuda),
-        "tiny": args.tiny,
-        "settings": settings_record(args, vocab, len(tokenizer), lengths, cuda),
-        "timing": "per optimizer step, on_step_begin to on_step_end, CUDA-synchronised: generation = "
-        "_generate_single_turn, reward = _calculate_rewards, training = the rest of the step. Peak memory is reset "
-        "when generation starts and ends: generation_peak_GiB and training_peak_GiB (reward + training) per step; "
-        "slimrl's own logged peak_gpu_memory_GiB therefore covers the training phase only",
-        "sides": {},
-        "problems": [],
-    }
-    path = Path(args.out)
+    report = Report(args.out, workload="W3", command=shlex.join(["python", "bench/grpo_step.py", *argv]),
+                    tiny=args.tiny, real=args.real, timing=TIMING, sides={})  # fmt: skip
 
     def save():
         report["speedup"] = speedups(report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1))
+        report.save()
 
-    data = {"tokenizer": tokenizer, "dataset": dataset}
-    for kind in SIDES:
-        side = report["sides"][kind] = {}
-        if kind in args.skip:
-            side["status"] = "skipped"
-            continue
-        run_side(kind, args.steps if kind == "slimrl" else args.trl_steps, args, data, side, save, cuda)
-        if side["status"] == "error":
-            report["problems"].append(f"{kind} raised: {side['error'].strip().splitlines()[-1]}")
-        elif kind == "slimrl" and cuda and args.slimrl_backend != "transformers" and not engine_generated(side):
-            report["problems"].append(f"slimrl generated with {side.get('generation_backend')!r} on CUDA, not its "
-                                      "rollout engine")  # fmt: skip
-    save()
-    print_summary(report)
-    print(f"wrote {path}")
+    with report.recording_failure():
+        report.update(environment(cuda))
+        data = build_data(args)
+        report["settings"] = settings_record(args, data, cuda)
+        for kind in SIDES:
+            side = report["sides"][kind] = {}
+            if kind in args.skip:
+                side["status"] = "skipped"
+                continue
+            run_side(kind, args.steps if kind == "slimrl" else args.trl_steps, args, data, side, save, cuda)
+            report["problems"] += side_problems(kind, side, args, cuda)
+        save()
+        print_summary(report)
+    print(f"wrote {report.path}")
     return report
 
 
+def side_problems(kind: str, side: dict, args, cuda: bool) -> list[str]:
+    if side["status"] == "error":
+        return [f"{kind} raised: {side['error'].strip().splitlines()[-1]}"]
+    if kind == "slimrl" and cuda and args.slimrl_backend != "transformers" and not engine_generated(side):
+        return [f"slimrl generated with {side.get('generation_backend')!r} on CUDA, not its rollout engine"]
+    return []
+
+
 if __name__ == "__main__":
-    sys.exit(1 if main()["problems"] else 0)
+    sys.exit(main().exit_status())

@@ -433,25 +433,30 @@ def tuned_choices(best) -> dict:
 
 @contextlib.contextmanager
 def engine_variant(variant: str, tuned):
-    """Settings of one `--variants` entry for the engines built inside; yields their kernel choices. Keys: pdl
-    (`pdl.MODE`), GROUP.FIELD or GROUP@ROWS.FIELD (a `KernelChoice` field, in every decode row bucket or one)."""
+    """Settings of one `--variants` entry for the engines built inside; yields (kernel choices, engine flags). Keys:
+    pdl (`pdl.MODE`), deterministic (the engine option), GROUP.FIELD or GROUP@ROWS.FIELD (a `KernelChoice` field,
+    in every decode row bucket or one)."""
     from slimrl.rollout import pdl
     from slimrl.rollout.fused_decode import default_choices
 
     saved = pdl.MODE
     choices = copy.deepcopy(tuned) if tuned is not None else default_choices()
+    flags = {}
     try:
         for item in filter(None, variant.split(",")):
             key, value = item.split("=")
             if key == "pdl":
                 pdl.MODE = int(value)
                 continue
+            if key == "deterministic":
+                flags["deterministic"] = bool(int(value))
+                continue
             target, field = key.split(".")
             group, _, rows = target.partition("@")
             buckets = [int(rows)] if rows else [b for b in choices[group] if b <= 256]
             for bucket in buckets:
                 setattr(choices[group][bucket], field, int(value))
-        yield choices
+        yield choices, flags
     finally:
         pdl.MODE = saved
 
@@ -612,8 +617,8 @@ def main(argv=None):
         for variant in args.variants:
             result["engine_variants"][variant] = timed = {}
             try:
-                with engine_variant(variant, tuned) as choices:
-                    other = new_engine(choices)
+                with engine_variant(variant, tuned) as (choices, flags):
+                    other = new_engine(choices, **flags)
                     for batch in args.batches:
                         timed[f"B{batch}"] = engine_run(other, batch, params, NEW)
                         save()

@@ -1,16 +1,20 @@
-"""The `slimrl` command: `slimrl demo` end to end on a tiny model, --version, --help and bad settings."""
+"""The `slimrl` command: `slimrl demo` end to end on a tiny model, --version, --help and bad settings; a non-finite
+step stops the demo (recorded, evaluated, saved, exit 1) or is skipped with --on-nonfinite skip."""
 
 import json
 
 import pytest
+import torch
 
 from slimrl.cli import build_parser, main
+
+TINY_DEMO = ["demo", "--model", "tiny", "--steps", "2", "--eval-size", "4", "--num-generations", "4",
+             "--max-completion-length", "8", "--device", "cpu"]  # fmt: skip
 
 
 def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "demo"
-    code = main(["demo", "--model", "tiny", "--steps", "2", "--eval-size", "4", "--num-generations", "4",
-                 "--max-completion-length", "8", "--output-dir", str(out), "--device", "cpu"])  # fmt: skip
+    code = main([*TINY_DEMO, "--output-dir", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "held-out accuracy before" in printed and "held-out accuracy after" in printed
@@ -22,7 +26,20 @@ def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):
     for entry in metrics["history"]:
         assert {"reward", "rewards/exact_answer_reward/mean", "rewards/format_reward/mean", "loss"} <= entry.keys()
     assert 0.0 <= metrics["accuracy_after"]["accuracy"] <= 1.0 and metrics["settings"]["steps"] == 2
+    for entry in metrics["history"]:  # the step timer's split of each step
+        parts = [entry["generation_s"], entry["reward_s"], entry["training_s"]]
+        assert parts[0] > 0 and parts[2] > 0 and parts[1] >= 0, entry
+    assert metrics["status"] == "finished" and metrics["raised_nonfinite_error"] is False
+    assert metrics["nonfinite_error"] is None and metrics["nonfinite_skipped_steps"] == []
+    assert metrics["rollout_engine_used"] is False  # CPU: "auto" generates with transformers
     assert str(out / "metrics.json") in printed and str(out / "reward.png") in printed
+
+
+def test_generation_backend_engine_makes_the_demo_generate_with_slimrls_engine(tmp_path):
+    out = tmp_path / "demo"
+    assert main([*TINY_DEMO, "--steps", "1", "--output-dir", str(out), "--generation-backend", "engine"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["rollout_engine_used"] is True and metrics["settings"]["generation_backend"] == "engine"
 
 
 def test_version_and_help(capsys):
@@ -41,3 +58,52 @@ def test_version_and_help(capsys):
 def test_invalid_demo_settings_exit_with_a_message(flags, message, capsys):
     assert main(["demo", "--model", "tiny", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def nan_from_step(monkeypatch, step: int) -> None:
+    """Make slimrl's loss NaN from optimizer step `step` on (the step check then sees it)."""
+    from slimrl import GRPOTrainer
+
+    compute_loss = GRPOTrainer.compute_loss
+
+    def loss_or_nan(self, *args, **kwargs):
+        loss = compute_loss(self, *args, **kwargs)
+        return loss * torch.nan if self.state.global_step + 1 >= step else loss
+
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", loss_or_nan)
+
+
+def test_a_nonfinite_step_stops_the_demo_which_still_evaluates_saves_and_exits_1(tmp_path, monkeypatch, capsys):
+    nan_from_step(monkeypatch, 2)
+    out = tmp_path / "demo"
+    assert main([*TINY_DEMO, "--output-dir", str(out)]) == 1
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["raised_nonfinite_error"] is True and metrics["status"] == "nonfinite_error"
+    assert metrics["nonfinite_error"]["step"] == 2 and "not finite" in metrics["nonfinite_error"]["message"]
+    assert metrics["nonfinite_error"]["during"] == "training" and metrics["adapter_saved"] is True
+    assert [entry["step"] for entry in metrics["history"]] == [1]  # the step before it is kept
+    assert 0.0 <= metrics["accuracy_after"]["accuracy"] <= 1.0 and (out / "adapter" / "adapter_config.json").is_file()
+    assert "training stopped at step 2: NonFiniteError" in capsys.readouterr().out
+
+
+def test_on_nonfinite_skip_skips_the_step_and_records_it(tmp_path, monkeypatch):
+    nan_from_step(monkeypatch, 2)
+    out = tmp_path / "demo"
+    assert main([*TINY_DEMO, "--output-dir", str(out), "--on-nonfinite", "skip"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [entry["step"] for entry in metrics["history"]] == [1, 2]
+    assert [entry["nonfinite_skipped"] for entry in metrics["history"]] == [0, 1]
+    assert metrics["nonfinite_skipped_steps"] == [2] and metrics["raised_nonfinite_error"] is False
+    assert metrics["settings"]["on_nonfinite"] == "skip"
+
+
+def test_generation_backend_and_on_nonfinite_flags_reach_the_trainers_config(tmp_path):
+    from slimrl import GRPOConfig
+    from slimrl.demo import DemoSettings, grpo_config_kwargs
+
+    args = build_parser().parse_args(["demo", "--generation-backend", "engine", "--on-nonfinite", "skip"])
+    settings = DemoSettings(**{k: v for k, v in vars(args).items() if k != "command"})
+    config = GRPOConfig(**grpo_config_kwargs(settings, tmp_path, "cpu"))
+    assert config.generation_backend == "engine" and config.on_nonfinite == "skip"
+    defaults = build_parser().parse_args(["demo"])
+    assert (defaults.generation_backend, defaults.on_nonfinite) == ("auto", "raise")

@@ -1,10 +1,22 @@
 """The demo's parts: settings checks, greedy evaluation, the per-step line, the plot."""
 
+import json
+
 import pytest
 import torch
 
 from slimrl.data import arithmetic_dataset
-from slimrl.demo import DemoSettings, evaluate, moving_average, plot_history, resolve_device, set_cpu_threads, step_line
+from slimrl.demo import (
+    DemoSettings,
+    evaluate,
+    moving_average,
+    nonfinite_skipped_steps,
+    plot_history,
+    resolve_device,
+    set_cpu_threads,
+    step_line,
+    write_json,
+)
 
 
 def test_default_settings_are_valid_and_bad_ones_name_the_flag():
@@ -15,6 +27,10 @@ def test_default_settings_are_valid_and_bad_ones_name_the_flag():
         DemoSettings(difficulty="extreme").validate()
     with pytest.raises(ValueError, match="--device must be one of auto, cpu, cuda"):
         DemoSettings(device="tpu").validate()
+    with pytest.raises(ValueError, match="--generation-backend must be one of auto, engine, transformers"):
+        DemoSettings(generation_backend="vllm").validate()
+    with pytest.raises(ValueError, match="--on-nonfinite must be one of raise, skip"):
+        DemoSettings(on_nonfinite="ignore").validate()
 
 
 def test_device_auto_is_cuda_only_when_there_is_one():
@@ -75,3 +91,29 @@ def test_evaluate_scores_greedy_replies_and_leaves_the_model_in_training_mode(to
     scores = evaluate(model, tokenizer, arithmetic_dataset(5, seed=0, split="eval"), max_new_tokens=4, batch_size=2)
     assert set(scores) == {"accuracy", "in_format"} and all(0.0 <= v <= 1.0 for v in scores.values())
     assert model.training
+
+
+def test_nonfinite_skipped_steps_lists_the_steps_whose_update_was_dropped():
+    history = [{"step": 1, "nonfinite_skipped": 0.0}, {"step": 2, "nonfinite_skipped": 1.0}, {"step": 3}]
+    assert nonfinite_skipped_steps(history) == [2]
+
+
+def test_write_json_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "sub" / "metrics.json"
+    write_json(path, {"history": [1]})
+    write_json(path, {"history": [1, 2]})
+    assert json.loads(path.read_text()) == {"history": [1, 2]}
+    assert [p.name for p in path.parent.iterdir()] == ["metrics.json"]  # no partial file left behind
+
+
+def test_an_adapter_with_nonfinite_weights_is_not_saved_and_the_refusal_is_recorded(tmp_path, monkeypatch):
+    from slimrl import FastLanguageModel, NonFiniteError
+    from slimrl.demo import _save_adapter
+
+    def refuse(*args, **kwargs):
+        raise NonFiniteError("these weights hold NaN")
+
+    monkeypatch.setattr(FastLanguageModel, "save_lora", refuse)
+    summary = {"nonfinite_error": None}
+    assert _save_adapter(None, None, tmp_path, summary) is None
+    assert summary["nonfinite_error"] == {"during": "saving", "step": None, "message": "these weights hold NaN"}

@@ -10,12 +10,15 @@ import slimrl
 EPILOG = """examples:
   slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 10 minutes on 2 CPU cores)
   slimrl demo --steps 100 --device cuda --output-dir runs/demo
+
+exit status of demo: 0 done, 1 training stopped on a non-finite loss or gradient (metrics.json says where), 2 bad
+settings.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     from slimrl.data import DIFFICULTIES
-    from slimrl.demo import DEVICES, DemoSettings
+    from slimrl.demo import DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
 
     defaults = DemoSettings()
     parser = argparse.ArgumentParser(
@@ -49,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--difficulty", default=defaults.difficulty, choices=list(DIFFICULTIES),
                       help="operands up to 9, 20 or 99")  # fmt: skip
     demo.add_argument("--device", default=defaults.device, choices=DEVICES, help="auto: CUDA when there is one")
+    demo.add_argument("--generation-backend", default=defaults.generation_backend, choices=GENERATION_BACKENDS,
+                      help="who generates rollouts: auto = slimrl's engine on CUDA, else transformers")  # fmt: skip
+    demo.add_argument(
+        "--on-nonfinite",
+        default=defaults.on_nonfinite,
+        choices=ON_NONFINITE,
+        help="a step with a NaN/inf loss or gradient: raise (stop, evaluate, save, exit 1) or skip it",
+    )
     return parser
 
 
@@ -67,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             print(f"slimrl demo: {error}", file=sys.stderr)
             return 2
-        run_demo(settings)
+        summary = run_demo(settings)
+        if summary["raised_nonfinite_error"]:
+            return 1
     return 0
 
 

@@ -21,6 +21,9 @@ from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, i
 
 TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own tests
 DEVICES = ("auto", "cpu", "cuda")
+GENERATION_BACKENDS = ("auto", "engine", "transformers")  # GRPOConfig.generation_backend, without vLLM
+ON_NONFINITE = ("raise", "skip")  # GRPOConfig.on_nonfinite
+TIMINGS = ("generation_s", "reward_s", "training_s")  # the step timer's parts of each step, kept in the history
 
 
 @dataclass
@@ -40,6 +43,8 @@ class DemoSettings:
     eval_size: int = 100
     difficulty: str = "medium"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    generation_backend: str = "auto"  # "auto" (slimrl's engine on CUDA) | "engine" | "transformers"
+    on_nonfinite: str = "raise"  # a non-finite loss or gradient norm: "raise" NonFiniteError | "skip" the step
 
     def validate(self) -> None:
         """A ValueError naming the first bad setting and what to use instead."""
@@ -54,8 +59,11 @@ class DemoSettings:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}.")
         if self.difficulty not in DIFFICULTIES:
             raise ValueError(f"--difficulty must be one of {', '.join(DIFFICULTIES)}, got {self.difficulty!r}.")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
+        for name, choices in (("device", DEVICES), ("generation_backend", GENERATION_BACKENDS),
+                              ("on_nonfinite", ON_NONFINITE)):  # fmt: skip
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(self, name)!r}.")  # fmt: skip
         held_out = split_size(self.difficulty, "eval")
         if self.eval_size > held_out:
             raise ValueError(f"--eval-size {self.eval_size} is more than the {held_out} held-out {self.difficulty} "
@@ -134,12 +142,13 @@ def step_line(step: int, total_steps: int, logs: dict) -> str:
     return "  ".join(parts)
 
 
-def _progress_callback(total_steps: int, history: list[dict]):
+def _progress_callback(total_steps: int, history: list[dict], timer, on_entry):
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
     class DemoProgress(TrainerCallback):
-        """A progress bar and one line of metrics per optimizer step; keeps each step's numeric logs in `history`."""
+        """A progress bar and one line of metrics per optimizer step; keeps each step's numeric logs, with the step
+        timer's split of its time, in `history`, and calls `on_entry()` after each."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", leave=False)
@@ -148,8 +157,11 @@ def _progress_callback(total_steps: int, history: list[dict]):
             if not logs or "reward" not in logs:
                 return  # the end-of-training summary, not a step
             entry = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+            timed = timer.step(state.global_step) or {}
+            entry.update({key: round(timed[key], 4) for key in TIMINGS if key in timed})
             history.append(entry)
             self.bar.write(step_line(state.global_step, total_steps, logs))
+            on_entry()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.bar.update(1)
@@ -168,10 +180,104 @@ def set_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_demo(settings: DemoSettings) -> dict:
-    """Evaluate, train with GRPO, evaluate again; save the adapter, metrics JSON and plot. Returns the metrics."""
-    from slimrl import FastLanguageModel, GRPOConfig, GRPOTrainer
+def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
+    """The demo's GRPOConfig settings."""
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
+        gradient_accumulation_steps=1,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
+        loss_type="dapo",
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=settings.seed,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        num_chunks="auto",
+        generation_backend=settings.generation_backend,
+        on_nonfinite=settings.on_nonfinite,
+    )
 
+
+def write_json(path: str | Path, data) -> None:
+    """Write `data` as JSON through a temporary file and a rename, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2))
+    os.replace(partial, path)
+
+
+def nonfinite_skipped_steps(history: list[dict]) -> list[int]:
+    """The steps whose update was dropped for a non-finite loss or gradient (GRPOConfig on_nonfinite="skip")."""
+    return [entry["step"] for entry in history if entry.get("nonfinite_skipped", 0) > 0]
+
+
+def _train(trainer, summary: dict) -> float:
+    """Train; a NonFiniteError ends training early and is recorded in `summary` instead of raised. Returns seconds."""
+    from slimrl import NonFiniteError
+
+    started = time.perf_counter()
+    try:
+        trainer.train()
+    except NonFiniteError as error:
+        step = trainer.state.global_step + 1
+        summary["nonfinite_error"] = {"during": "training", "step": step, "message": str(error)}
+        print(f"training stopped at step {step}: NonFiniteError: {error}")
+    return time.perf_counter() - started
+
+
+def _save_adapter(model, tokenizer, out: Path, summary: dict) -> str | None:
+    """Save the adapter; non-finite weights are refused (NonFiniteError), recorded in `summary` and not saved."""
+    from slimrl import FastLanguageModel, NonFiniteError
+
+    try:
+        return FastLanguageModel.save_lora(model, tokenizer, out / "adapter", overwrite=True)
+    except NonFiniteError as error:
+        summary["nonfinite_error"] = summary["nonfinite_error"] or {"during": "saving", "step": None,
+                                                                    "message": str(error)}  # fmt: skip
+        print(f"adapter not saved: NonFiniteError: {error}")
+        return None
+
+
+def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Path, device: str, summary: dict,
+                   save) -> tuple:  # fmt: skip
+    from transformers.trainer_callback import PrinterCallback
+
+    from slimrl import GRPOConfig, GRPOTrainer
+    from slimrl.trainers.step_timer import StepTimer
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[exact_answer_reward, format_reward],
+        args=GRPOConfig(**grpo_config_kwargs(settings, out / "trainer", device)),
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        callbacks=[_progress_callback(settings.steps, summary["history"], timer, save)],
+    )
+    timer.attach(trainer)
+    trainer.remove_callback(PrinterCallback)  # our callback prints a compact line per step instead of the raw dict
+    return trainer, timer
+
+
+def run_demo(settings: DemoSettings) -> dict:
+    """Evaluate, train with GRPO, evaluate again; save the adapter, metrics JSON and plot. Returns the metrics.
+
+    metrics.json is rewritten after every step (`status` "training"), so a run cut short keeps its curve. A
+    NonFiniteError during training (GRPOConfig on_nonfinite="raise") ends training early: it is recorded
+    (`raised_nonfinite_error`, `nonfinite_error`), and the model is still evaluated and saved (the check runs
+    before the optimizer step, so the weights are the last good ones; non-finite weights are not saved)."""
     settings.validate()
     started = time.perf_counter()
     device = resolve_device(settings.device)
@@ -193,68 +299,38 @@ def run_demo(settings: DemoSettings) -> dict:
     before = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
     print(f"held-out accuracy before: {before['accuracy']:.1%} (in the requested format: {before['in_format']:.1%})")
 
-    history: list[dict] = []
-    config = GRPOConfig(
-        output_dir=str(out / "trainer"),
-        max_steps=settings.steps,
-        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
-        gradient_accumulation_steps=1,
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
-        learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
-        loss_type="dapo",
-        temperature=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=settings.seed,
-        use_cpu=device == "cpu",
-        bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        num_chunks="auto",
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[exact_answer_reward, format_reward],
-        args=config,
-        train_dataset=train_set,
-        processing_class=tokenizer,
-        callbacks=[_progress_callback(settings.steps, history)],
-    )
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)  # our callback prints a compact line per step instead of the raw dict
-    train_started = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - train_started
+    metrics_path = out / "metrics.json"
+    summary = {"settings": asdict(settings), "device": device, "torch_threads": threads, "accuracy_before": before,
+               "history": [], "status": "training", "nonfinite_error": None}  # fmt: skip
+    write_json(metrics_path, summary)  # rewritten after every step
+    trainer, timer = _build_trainer(settings, model, tokenizer, train_set, out, device, summary,
+                                    save=lambda: write_json(metrics_path, summary))  # fmt: skip
+    train_seconds = _train(trainer, summary)
+    summary["rollout_engine_used"] = any("engine_stats" in step for step in timer.steps)
     if not any((out / "trainer").iterdir()):
         (out / "trainer").rmdir()  # TRL makes its output_dir; with save_strategy="no" it stays empty
 
     after = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
     print(f"held-out accuracy after:  {after['accuracy']:.1%} (in the requested format: {after['in_format']:.1%})")
-    adapter_dir = FastLanguageModel.save_lora(model, tokenizer, out / "adapter", overwrite=True)
-    summary = {
-        "settings": asdict(settings),
-        "device": device,
-        "torch_threads": threads,
-        "accuracy_before": before,
-        "accuracy_after": after,
-        "history": history,
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.perf_counter() - started, 1),
-    }
-    metrics_path = out / "metrics.json"
-    metrics_path.write_text(json.dumps(summary, indent=2))
-    plot_path = plot_history(summary, out / "reward.png")
+    adapter_dir = _save_adapter(model, tokenizer, out, summary)
+    summary.update(accuracy_after=after, adapter_saved=adapter_dir is not None, train_seconds=round(train_seconds, 1),
+                   total_seconds=round(time.perf_counter() - started, 1),
+                   raised_nonfinite_error=summary["nonfinite_error"] is not None,
+                   nonfinite_skipped_steps=nonfinite_skipped_steps(summary["history"]),
+                   status="nonfinite_error" if summary["nonfinite_error"] else "finished")  # fmt: skip
+    write_json(metrics_path, summary)
+    _print_summary(summary, adapter_dir, metrics_path, plot_history(summary, out / "reward.png"))
+    return summary
+
+
+def _print_summary(summary: dict, adapter_dir, metrics_path: Path, plot_path: Path) -> None:
+    history = summary["history"]
     first, last = _mean_reward(history[:5]), _mean_reward(history[-5:])
     print(f"mean reward, first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
-    print(f"adapter: {adapter_dir}\nmetrics: {metrics_path}\nplot:    {plot_path}")
+    if summary["nonfinite_skipped_steps"]:
+        print(f"optimizer steps skipped for a non-finite loss or gradient: {summary['nonfinite_skipped_steps']}")
+    print(f"adapter: {adapter_dir or 'not saved (non-finite weights)'}\nmetrics: {metrics_path}\nplot:    {plot_path}")
     print(f"total time {summary['total_seconds']:.0f}s (training {summary['train_seconds']:.0f}s)")
-    return summary
 
 
 def _mean_reward(entries: list[dict]) -> float:
@@ -301,4 +377,13 @@ def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
     return path
 
 
-__all__ = ["DemoSettings", "evaluate", "plot_history", "run_demo", "step_line"]
+__all__ = [
+    "DemoSettings",
+    "evaluate",
+    "grpo_config_kwargs",
+    "nonfinite_skipped_steps",
+    "plot_history",
+    "run_demo",
+    "step_line",
+    "write_json",
+]

@@ -85,3 +85,47 @@ def test_slimrl_engine_rollouts_are_recorded_as_such(grpo_step, tmp_path):
     assert side["generation_backend"] == "engine" and side["engine_used"] and side["engine"] is not None
     assert side["steps"][0]["engine_stats"]["decode_steps"] > 0
     assert report["sides"]["trl"]["status"] == "skipped" and report["speedup"] is None
+
+
+def test_real_mode_runs_the_demos_task_on_both_trainers_and_reports_stalls_and_speedups(grpo_step, tmp_path):
+    # --real --tiny: the real-model code path (FastLanguageModel's LoRA, the demo's data and rewards) on the tiny Llama
+    out = tmp_path / "w3_real.json"
+    report = grpo_step.main([str(out), "--real", "--tiny", "--steps", "3", "--trl-steps", "3"])
+    saved = json.loads(out.read_text())
+    assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
+    assert saved["real"] is True and saved["settings"]["completion_length"] == 16
+    assert saved["settings"]["rewards"] == ["exact_answer_reward", "format_reward"]
+    for kind in ("slimrl", "trl"):
+        side = saved["sides"][kind]
+        assert side["status"] == "ok" and side["steps_run"] == 3, side.get("error")
+        later = [step["training_s"] for step in side["steps"][1:]]
+        assert side["training_median_after_first"] == pytest.approx(sorted(later)[0] / 2 + sorted(later)[1] / 2,
+                                                                    abs=1e-3)  # fmt: skip
+        assert side["stall_ratio"] == pytest.approx(max(later) / side["training_median_after_first"], abs=0.02)
+        assert side["step_mean"] > 0 and side["prompt_tokens_min_max"][0] > 10
+    first = [saved["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl", "trl")]
+    assert first[0] == pytest.approx(first[1], abs=1e-5)  # same model, data, seed and settings: same first loss
+    speedup = saved["speedup"]
+    assert len(speedup["per_step"]["step_s"]) == len(speedup["per_step"]["training_s"]) == 3
+    assert speedup["training_median_after_first"] > 0 and speedup["mean_all"]["step_s"] > 0
+
+
+def test_real_mode_defaults_are_30_steps_each_and_256_tokens(grpo_step):
+    args = grpo_step.parse_args(["x.json", "--real"])
+    assert (args.steps, args.trl_steps, args.completion_length, args.prompt_tokens) == (30, 30, 256, None)
+    w1 = grpo_step.parse_args(["x.json"])
+    assert (w1.steps, w1.trl_steps, w1.completion_length, w1.prompt_tokens) == (10, 3, 1024, 256)
+    with pytest.raises(SystemExit):
+        grpo_step.parse_args(["x.json", "--real", "--prompt-tokens", "64"])
+
+
+def test_a_failure_outside_the_sides_is_saved_with_its_traceback(grpo_step, tmp_path, monkeypatch):
+    def broken(args):
+        raise RuntimeError("no data")
+
+    monkeypatch.setattr(grpo_step, "build_data", broken)
+    out = tmp_path / "w3.json"
+    report = grpo_step.main([str(out), "--tiny", "--steps", "1", "--trl-steps", "1"])
+    saved = json.loads(out.read_text())
+    assert report.exit_status() == 1 and "RuntimeError: no data" in saved["error"]
+    assert saved["problems"] == ["raised RuntimeError: no data"]
