@@ -305,7 +305,8 @@ def problems_of(name: str, part: dict) -> list[str]:
     found = []
     if not part["same_tokens"]["requirement_met"]:
         e, g = part["same_tokens"]["engine"]["mean_abs"], part["same_tokens"]["generate"]["mean_abs"]
-        found.append(f"{name}: on the same tokens the engine's mean |delta log-prob| {e:.3g} exceeds generate's {g:.3g}")
+        found.append(f"{name}: on the same tokens the engine's mean |delta log-prob| {e:.3g} exceeds "
+                     f"generate's {g:.3g}")
     if part["adapter"]["greedy_rows_changed_by_adapter"] == 0:
         found.append(f"{name}: the adapter changes no greedy reply; raise --lora-b-std")
     return found
