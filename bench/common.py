@@ -124,3 +124,101 @@ def markdown_table(header: list[str], rows: Iterable[Iterable]) -> str:
 def default_output(name: str) -> str:
     """`$OUT/name` where the GPU machine sets $OUT, else `./name`."""
     return os.path.join(os.environ.get("OUT", "."), name)
+
+
+# -- W1's model (shared/bench/WORKLOAD.md): written once, used by every benchmark ------------------------------------
+
+W1_VOCAB = 151936
+W1_SHAPE = dict(vocab_size=W1_VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+W1_LORA_RANK = 64
+
+
+def w1_config(tiny: bool = False, context: int = 32768, **overrides):
+    """The Qwen2 config of W1's model (Qwen2.5-1.5B's shape), or a 2-layer one of the same family for CPU smoke runs;
+    `context` is the longest prompt + completion it must take."""
+    from transformers import Qwen2Config
+
+    shape = {**(TINY_SHAPE if tiny else W1_SHAPE), **overrides}
+    return Qwen2Config(**shape, max_position_embeddings=max(32768, context))
+
+
+def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0, context: int = 32768,
+             lora_rank: int | None = W1_LORA_RANK, lora_b_std: float | None = None):  # fmt: skip
+    """W1's model with random weights from `seed` (bf16 by default) and, unless lora_rank is None, peft LoRA on all
+    linear layers (alpha = rank, dropout 0; lora_A from the same seed, so two sides of a run get the same adapter);
+    lora_b_std: B drawn from N(0, std^2) so the adapter changes the outputs (peft starts B at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    dtype = dtype or torch.bfloat16
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(w1_config(tiny, context)).to(dtype)
+    model.generation_config.eos_token_id = None  # random weights have no real EOS: completions run to full length
+    model.generation_config.pad_token_id = 1
+    if lora_rank is None:
+        return model
+    rank = min(lora_rank, 8) if tiny else lora_rank
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if lora_b_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, lora_b_std)
+    return model
+
+
+def random_prompts(batch: int, length: int, vocab: int = W1_VOCAB, seed: int = 0, vary: bool = False) -> list:
+    """`batch` prompts of random token ids (above the special ids), `length` long or, with vary, up to 56 shorter."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [length - (i * 7) % 57 if vary else length for i in range(batch)]
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# -- timing and bandwidth ------------------------------------------------------------------------------------------
+
+
+def sync_time() -> float:
+    """perf_counter after the GPU has finished what was queued (plain perf_counter on a machine without CUDA)."""
+    import time
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def copy_bandwidth(gib: int = 2) -> float:
+    """Bytes read + written per second by a device-to-device copy of `gib` GiB (best of 10)."""
+    import torch
+
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        start = sync_time()
+        dst.copy_(src)
+        best = min(best, sync_time() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (gib << 30) / best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter (a tied embedding counted once: the LM head reads it whole every step)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -4,66 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
-from slimrl.rollout import llama
-from slimrl.rollout.engine import RolloutEngine, supports
+from slimrl.rollout.engine import RolloutEngine
 from slimrl.rollout.sampling import SamplingParams
-from slimrl.testing import tiny_config, tiny_model, tiny_tokenizer
+from slimrl.testing import tiny_model, tiny_tokenizer
+from tests.rollout.helpers import (
+    GREEDY,
+    PROMPTS,
+    build,
+    full_forward_logprobs,
+    hf_greedy,
+    left_pad,
+    likely_eos,
+    no_eos,
+    sampled_by_generate,
+    with_lora,
+)
 from tests.tolerances import assert_close
-
-# three prompts of different lengths: the batch is left-padded
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def build(arch: str, seed: int = 0, **overrides):
-    """A tiny model of any supported architecture (llama and qwen2 from slimrl.testing, qwen3 and mistral here)."""
-    if arch in ("llama", "qwen2"):
-        return tiny_model(arch, seed=seed, **overrides).eval()
-    from transformers import MistralConfig, Qwen3Config
-
-    common = dict(tiny_config("llama").to_dict(), **overrides)
-    common = {k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                                     "pad_token_id", "eos_token_id", "tie_word_embeddings")}  # fmt: skip
-    config = Qwen3Config(head_dim=16, **common) if arch == "qwen3" else MistralConfig(sliding_window=None, **common)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 3
-    return model.eval()
-
-
-def with_lora(model, seed: int = 1):
-    """All-linear LoRA with non-zero B (init_lora_weights=False), so the adapter changes every projection."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-        return get_peft_model(model, config).eval()
-
-
-def left_pad(prompts, pad=0):
-    length = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def hf_greedy(model, prompts, new_tokens, **kwargs):
-    ids, mask = left_pad(prompts)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs
-        )
-    return out[:, ids.shape[1] :].tolist()
-
-
-def no_eos(model):
-    model.generation_config.eos_token_id = None
-    return model
-
 
 # -- greedy parity with transformers --------------------------------------------------------------------------------
 
@@ -136,21 +93,6 @@ def test_4bit_model_matches_generate(tmp_path):
 
 
 # -- log-probs -------------------------------------------------------------------------------------------------------
-
-
-def full_forward_logprobs(model, prompts, completions, temperature, top_k=0):
-    """log_softmax of the (temperature-scaled, top-k-filtered) logits of each completion token, from one forward of
-    the whole sequence: what TRL recomputes for the policy."""
-    result = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        ids = torch.tensor([prompt + completion])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-        if top_k:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        result.append(logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0])
-    return result
 
 
 @pytest.mark.parametrize("top_k", [0, 7])
@@ -243,21 +185,6 @@ def test_stop_strings_need_a_tokenizer():
         RolloutEngine(build("llama")).generate(PROMPTS, SamplingParams(stop="x"), 4)
 
 
-def test_prompts_and_lengths_are_validated():
-    engine = RolloutEngine(build("llama"), max_seq_len=16)
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], GREEDY, 4)
-    with pytest.raises(ValueError, match="outside"):
-        engine.generate([[5, 9999]], GREEDY, 4)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        engine.generate([list(range(5, 21))], GREEDY, 4)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.generate(PROMPTS, GREEDY)
-    # a completion that would pass max_seq_len is cut there, with finish_reason "length"
-    out = engine.generate([list(range(5, 15))], GREEDY, 100)
-    assert len(out.completion_ids[0]) == 6 and out.finish_reason == ["length"]
-
-
 def test_more_prompts_than_max_batch_size_run_in_waves():
     model = no_eos(build("llama"))
     prompts = PROMPTS * 3
@@ -271,78 +198,20 @@ def test_release_frees_the_cache_and_the_next_rollout_allocates_again():
     model = no_eos(build("llama"))
     engine = RolloutEngine(model)
     first = engine.generate(PROMPTS, GREEDY, 6).completion_ids
-    assert engine._session is not None and engine._session.cache.nbytes > 0
+    assert engine.sessions.held_bytes() > 0 and engine.describe()["kv_cache_bytes"] == engine.sessions.held_bytes()
     engine.release()
-    assert engine._session is None
+    assert engine.sessions.current is None and engine.sessions.held_bytes() == 0
     assert engine.generate(PROMPTS, GREEDY, 6).completion_ids == first
 
 
-# -- what the engine runs ----------------------------------------------------------------------------------------------
+# -- what the engine runs ---------------------------------------------------------------------------------------------
 
 
-def test_unsupported_architectures_say_why():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    supported, why = supports(model)
-    assert not supported and "gpt2" in why
-    with pytest.raises(ValueError, match="gpt2"):
-        RolloutEngine(model)
-    assert supports(with_lora(build("qwen2"))) == (True, "")
-
-
-@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
-def test_lora_fast_path_equals_calling_the_peft_module(base_dtype):
-    # peft keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype): the fast path must do the same math
-    model = with_lora(build("qwen2", dtype=base_dtype))
-    module = model.base_model.model.model.layers[0].self_attn.q_proj
-    spec = llama.linear_spec(module)
-    assert spec.module is None and len(spec.loras) == 1 and spec.loras[0][0].dtype == torch.float32
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(base_dtype)
-    with torch.no_grad():
-        assert torch.equal(llama.apply_linear(x, spec), module(x))
-        with model.disable_adapter():
-            assert llama.linear_spec(module).loras == ()
-            assert torch.equal(llama.apply_linear(x, llama.linear_spec(module)), module(x))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile need a CUDA device")
-def test_cuda_graph_decode_matches_generate_and_stays_live():
-    import os
-
-    model = with_lora(no_eos(build("qwen2"))).cuda()
-    # conftest runs Triton in its interpreter for CPU kernel tests; torch.compile's kernels need the real one
-    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
-    engine = RolloutEngine(model, compile=compiled)
-    assert engine.use_graphs
-    prompts_cuda = PROMPTS
-    out = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
-    ids, mask = left_pad(PROMPTS)
-    with torch.no_grad():
-        ref = model.generate(
-            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )
-    assert out.completion_ids == ref[:, ids.shape[1] :].tolist()
-    graph = engine._session.graph
-    with torch.no_grad():  # an in-place edit, as an optimizer step makes: the captured graph must see it
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(-2.0)
-    again = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
-    with torch.no_grad():
-        ref = model.generate(
-            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )
-    assert engine._session.graph is graph, "an in-place weight update must not need a new capture"
-    assert again.completion_ids == ref[:, ids.shape[1] :].tolist()
-    assert again.completion_ids != out.completion_ids
-
-
-def test_grouped_decode_matches_generate(arch):
-    # the launch-saving decode structure of CUDA (grouped projections, fused residual norms), here with its
-    # plain-PyTorch pieces
+def test_triton_lora_matches_generate(arch):
+    # the grouped LoRA kernels of CUDA (two launches per group of projections sharing an input), here in Triton's
+    # interpreter
     model = with_lora(no_eos(build(arch)))
-    out = RolloutEngine(model, grouped_decode=True).generate(PROMPTS, GREEDY, max_new_tokens=16)
+    out = RolloutEngine(model, triton_lora=True).generate(PROMPTS, GREEDY, max_new_tokens=16)
     assert out.completion_ids == hf_greedy(model, PROMPTS, 16, eos_token_id=None)
 
 
@@ -361,16 +230,6 @@ def test_non_finite_weights_give_a_clear_error_instead_of_garbage():
         engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=0), max_new_tokens=4)
 
 
-def test_check_output_names_token_ids_outside_the_vocabulary():
-    from slimrl.rollout.engine import EngineOutputError, check_output
-
-    check_output([([1, 2], [-0.5, -1.0], "length")], vocab_size=3)  # a valid row passes
-    with pytest.raises(EngineOutputError, match=r"sequence 1 has token ids \[7\] outside \[0, 5\)"):
-        check_output([([1], None, "stop"), ([2, 7], None, "length")], vocab_size=5)
-    with pytest.raises(EngineOutputError, match="sequence 0 has a NaN or infinite log-prob; the weights are finite"):
-        check_output([([1], [float("-inf")], "stop")], vocab_size=5, model=build("llama"))
-
-
 def test_rollouts_of_alternating_shapes_keep_their_results():
     """Shapes alternate as completion lengths change from step to step: each shape's results stay those of a fresh
     engine (on CUDA each keeps its captured graph, tests/rollout/test_engine_cuda.py)."""
@@ -380,28 +239,6 @@ def test_rollouts_of_alternating_shapes_keep_their_results():
     long = engine.generate(PROMPTS, GREEDY, max_new_tokens=200).completion_ids
     assert engine.generate(PROMPTS, GREEDY, max_new_tokens=4).completion_ids == short
     assert RolloutEngine(model, max_seq_len=512).generate(PROMPTS, GREEDY, max_new_tokens=200).completion_ids == long
-
-
-def likely_eos(model, prompts, logit: float = 3.0):
-    """Point lm_head's EOS row (id 3) at the prompts' mean final hidden state, so EOS has logit ~`logit` there and
-    some sampled rows end early."""
-    ids, mask = left_pad(prompts)
-    with torch.no_grad():
-        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1][:, -1]
-        direction = hidden.mean(0)
-        model.get_output_embeddings().weight[3] = logit * direction / direction.square().sum()
-    model.generation_config.eos_token_id = 3
-    return model
-
-
-def sampled_by_generate(model, prompts, new_tokens, **filters):
-    ids, mask = left_pad(prompts)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
-                             pad_token_id=0, top_k=filters.get("top_k", 0), top_p=filters.get("top_p", 1.0),
-                             temperature=filters.get("temperature", 1.0))  # fmt: skip
-    rows = out[:, ids.shape[1] :].tolist()
-    return [row[: row.index(3) + 1] if 3 in row else row for row in rows]
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 20, "top_p": 0.9, "temperature": 0.7}])

@@ -7,7 +7,7 @@ import torch
 
 from slimrl.rollout.engine import RolloutEngine
 from slimrl.rollout.sampling import SamplingParams
-from tests.rollout.test_engine import build, no_eos, with_lora
+from tests.rollout.helpers import GREEDY, PROMPTS, build, left_pad, no_eos, with_lora
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels need CUDA")
 
@@ -51,3 +51,35 @@ def test_alternating_shapes_replay_their_kept_graphs():
         engine.release()
         captures.append(out.stats.get("captures", 0))
     assert captures == [1, 1, 0, 0, 0], captures
+
+
+def test_cuda_graph_decode_matches_generate_and_stays_live():
+    import os
+
+    model = with_lora(no_eos(build("qwen2"))).cuda()
+    # conftest runs Triton in its interpreter for CPU kernel tests; torch.compile's kernels need the real one
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    engine = RolloutEngine(model, compile=compiled)
+    assert engine.options.cuda_graphs
+    prompts_cuda = PROMPTS
+    out = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
+    ids, mask = left_pad(PROMPTS)
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+    assert out.completion_ids == ref[:, ids.shape[1] :].tolist()
+    graph = engine.sessions.current.graph
+    with torch.no_grad():  # an in-place edit, as an optimizer step makes: the captured graph must see it
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    again = engine.generate(prompts_cuda, GREEDY, max_new_tokens=16)
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+    assert engine.sessions.current.graph is graph, "an in-place weight update must not need a new capture"
+    assert again.completion_ids == ref[:, ids.shape[1] :].tolist()
+    assert again.completion_ids != out.completion_ids
+

@@ -35,7 +35,7 @@ def test_engine_backend_generates_the_rollouts_and_their_logprobs_match_the_trai
     assert trainer._generation_backend == "engine"
     trainer.train()
     assert calls and all(c == (8, 0.9, 8) for c in calls)
-    assert trainer._rollout_engine._session is None or trainer._rollout_engine._session.cache is None
+    assert trainer.rollout_engine.sessions.held_bytes() == 0, "the KV cache goes back to training"
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 

@@ -86,7 +86,7 @@ def table_entries(cache: StaticKVCache, anchor: torch.Tensor) -> list[int]:
 class StepContext:
     """What one decode step's fused kernels share: the cache address table (int64 [2 * layers], K and V tensor
     offsets per layer from `anchor`, in table units), the anchor tensor (cache dtype), the step's cache column
-    (int64 [1]) and the cache length; and the split-K scratch (`decode_kernels.SplitScratch`), held as long as the
+    (int64 [1]) and the cache length; and the split-K scratch (`kernels.gemm.SplitScratch`), held as long as the
     step's graph, or None (no split launches)."""
 
     table: torch.Tensor

@@ -31,7 +31,7 @@ class SamplingParams:
         `torch.manual_seed` makes rollouts reproducible.
     sampler: how a token is drawn from the processed distribution.
         "race" (default): argmax(probs / E), E ~ Exp(1) from the engine's own generator: no host sync, so it runs
-            inside a captured CUDA graph (and fused, see `sampling_kernel`).
+            inside a captured CUDA graph (and fused, see `kernels.sampler`).
         "multinomial": `torch.multinomial` on torch's default generator, one draw per row and step for every row of
             the batch in prompt order, as transformers' `generate(do_sample=True)` draws: with the same seed and
             logits the engine then samples the same tokens as TRL's transformers path. Eager only (the engine uses

@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
+"""What the decode step's Triton kernels share: programmatic dependent launch, rounding, precision and tiles.
+
+## Programmatic dependent launch (PDL)
 
 A decode step is a chain of about 350 short launches. Launched normally, each kernel is scheduled only after the one
 before it has finished and flushed, so every boundary costs a launch gap plus the new kernel's ramp-up. On Hopper
@@ -47,6 +49,9 @@ except ImportError:  # a Triton without grid dependency control: never launched 
 
 MODE = int(os.environ.get("SLIMRL_PDL", "1"))
 _CAPABLE: dict[int, bool] = {}
+# Triton's interpreter (the CPU tests) converts fp32 to bf16 by truncation; there the rounding is done by hand
+_SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_SM_COUNT: dict[int, int] = {}
 
 
 def _capable(device: torch.device) -> bool:
@@ -75,3 +80,46 @@ def enter(PDL: tl.constexpr):
     if PDL > 0:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# -- arithmetic and tiles --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """x rounded to `dtype` (to nearest, ties to even) and back to fp32 (a no-op for fp32)."""
+    if _SOFT_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
+
+
+def precision(dtype: torch.dtype, tf32: bool) -> str:
+    return "tf32" if tf32 and dtype != torch.float32 else "ieee"
+
+
+def block_m(rows: int, block_m: int = 0) -> int:
+    """Rows per program: `block_m` when given (16 ... 128), else the smallest of 16, 32, 64 that holds them."""
+    if block_m:
+        return block_m
+    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any count exercises the same arithmetic
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def tile_columns(width: int, row_blocks: int, block_n: int, per_sm: int, device: torch.device) -> int:
+    """Output columns per program. With per_sm = 0 a program owns a full tile of block_n. Otherwise the columns are
+    spread so that the launch has about per_sm programs per SM (at most block_n each): a skinny decode GEMM that
+    needs 140 full tiles on 132 SMs takes two waves for 1.06 waves' work; 132 narrower tiles take one."""
+    if not per_sm:
+        return block_n
+    programs = max(1, per_sm * sm_count(device) // row_blocks)
+    return max(1, min(block_n, triton.cdiv(width, programs)))

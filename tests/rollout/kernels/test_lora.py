@@ -1,23 +1,28 @@
-"""The decode step's Triton kernels (grouped LoRA, decode attention) against their plain-PyTorch references, and
-the grouped forward's projection helper."""
+"""The grouped LoRA kernels (`kernels.lora`) against peft's math (`model.reference.add_lora_`), on CUDA and in Triton's
+interpreter at odd shapes (rows and ranks that do not fill a tile, partial K steps)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from slimrl.rollout import llama
+from slimrl.rollout.kernels.gemm import SplitScratch
+from slimrl.rollout.kernels.lora import GroupedLoRA, can_fuse, lora_group_, padded_rank, shrink_
+from slimrl.rollout.model.reference import add_lora_
+from tests.rollout.helpers import KERNEL_DEVICE
 from tests.tolerances import TOLERANCES, assert_close
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA devices")
+CUDA = KERNEL_DEVICE == "cuda"
+# (features, rank, output widths): W1's q/k/v, gate/up and down groups on CUDA; odd small ones in the interpreter
+SHAPES = ([(1536, 64, [1536, 256, 256]), (200, 8, [8960, 8960]), (8960, 16, [1536])] if CUDA else
+          [(100, 8, [48, 16, 16]), (70, 4, [130, 130]), (260, 16, [24])])  # fmt: skip
 
 
 def make_group(rows, features, rank, widths, out_dtype, adapter_dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=KERNEL_DEVICE).manual_seed(seed)
 
     def rand(*shape, dtype, std=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(dtype)
+        return (torch.randn(*shape, generator=g, device=KERNEL_DEVICE) * std).to(dtype)
 
     x = rand(rows, features, dtype=out_dtype)
     items = []
@@ -31,8 +36,7 @@ def make_group(rows, features, rank, widths, out_dtype, adapter_dtype, seed=0):
     return x, items
 
 
-@requires_cuda
-@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("rows", [1, 64, 300] if CUDA else [1, 37])
 @pytest.mark.parametrize(
     "out_dtype, adapter_dtype, tf32, kind",
     [
@@ -43,10 +47,8 @@ def make_group(rows, features, rank, widths, out_dtype, adapter_dtype, seed=0):
     ],
 )
 def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf32, kind):
-    pytest.importorskip("triton")
-    from slimrl.rollout.lora_kernels import can_fuse, lora_group_
 
-    for features, rank, widths in [(1536, 64, [1536, 256, 256]), (200, 8, [8960, 8960]), (8960, 16, [1536])]:
+    for features, rank, widths in SHAPES:
         x, items = make_group(rows, features, rank, widths, out_dtype, adapter_dtype)
         before = [y.clone() for y, _ in items]
         expected = [(y.clone(), lora) for y, lora in items]
@@ -54,7 +56,7 @@ def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf
         reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         try:
-            llama.add_lora_(x, expected)
+            add_lora_(x, expected)
         finally:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
         assert can_fuse(x, items)
@@ -75,17 +77,14 @@ def test_grouped_lora_kernels_match_peft_math(rows, out_dtype, adapter_dtype, tf
             assert excess <= 0, f"{name}: off by more than three bf16 steps of its largest term (excess {excess:.3g})"
 
 
-@requires_cuda
 def test_grouped_lora_shares_one_workspace_and_falls_back_where_it_cannot_fuse():
-    pytest.importorskip("triton")
-    from slimrl.rollout.lora_kernels import GroupedLoRA, can_fuse
 
     x, items = make_group(4, 64, 8, [32, 32, 32, 32], torch.float32, torch.float32)  # four: two launches
     lora_a, lora_b, _ = items[0][1]
     odd = [(items[0][0].clone(), (lora_a, lora_b.t().contiguous().t(), 1.0))]  # B not contiguous
     assert not can_fuse(x, odd)
     expected = [(y.clone(), lora) for y, lora in items + odd]
-    llama.add_lora_(x, expected)
+    add_lora_(x, expected)
     add_lora = GroupedLoRA(tf32=False)
     add_lora.begin(rows=4, calls=2, rank=8, device=x.device)
     add_lora(x, items + odd)
@@ -93,64 +92,10 @@ def test_grouped_lora_shares_one_workspace_and_falls_back_where_it_cannot_fuse()
         assert_close(got, want, "fp32_sum", name="output")
 
 
-def sdpa_reference(q, keys, values, starts, end, scale):
-    """Plain attention of each row's query heads over its columns [start, end]."""
-    batch, heads, dim = q.shape
-    group = heads // keys.shape[1]
-    columns = torch.arange(keys.shape[2], device=q.device)
-    live = (columns[None, :] >= starts[:, None]) & (columns[None, :] <= end)
-    mask = torch.zeros(live.shape, dtype=q.dtype, device=q.device).masked_fill_(~live, float("-inf"))
-    k = keys.repeat_interleave(group, dim=1)
-    v = values.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale)
-    return out[:, :, 0]
-
-
-@requires_cuda
-@pytest.mark.parametrize("dtype, kind", [(torch.float32, "fp32_sum"), (torch.bfloat16, "bf16")])
-@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 2, 128), (4, 4, 64), (4, 2, 16)])
-def test_decode_attention_kernel_matches_masked_sdpa(dtype, kind, heads, kv_heads, dim):
-    pytest.importorskip("triton")
-    from slimrl.rollout.attention_kernel import can_run, decode_attention
-
-    assert can_run(dim, dtype)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batch, length = 9, 300
-    q = torch.randn(batch, heads, dim, generator=g, device="cuda").to(dtype)
-    keys = torch.randn(batch, kv_heads, length, dim, generator=g, device="cuda").to(dtype)
-    values = torch.randn(batch, kv_heads, length, dim, generator=g, device="cuda").to(dtype)
-    starts = torch.tensor([0, 1, 63, 64, 65, 100, 200, 250, 250], device="cuda")
-    end = torch.tensor([250], device="cuda")
-    got = decode_attention(q, keys, values, starts, end, dim**-0.5)
-    assert_close(got.float(), sdpa_reference(q, keys, values, starts, 250, dim**-0.5).float(), kind, name="attention")
-
-
-def test_project_applies_each_spec_as_apply_linear():
-    from peft import LoraConfig, get_peft_model
-
-    from slimrl.testing import tiny_model
-
-    config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
-    model = get_peft_model(tiny_model("qwen2"), config).eval()
-    attn = model.base_model.model.model.layers[0].self_attn
-    specs = [llama.linear_spec(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        grouped = llama.project(x, specs, llama.add_lora_)
-        for got, spec in zip(grouped, specs, strict=True):
-            assert torch.equal(got, llama.apply_linear(x, spec))
-
-
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
-
-
 @pytest.mark.parametrize(("rows", "features", "rank", "group"), [(5, 1000, 8, 3), (64, 1536, 64, 1), (3, 70, 16, 2)])
 def test_ordered_shrink_matches_the_reference_and_leaves_the_counts_at_zero(rows, features, rank, group):
     """Deterministic shrink: K split over several programs whose partial sums the tile's last program adds in split
     order (odd sizes: partial K steps, rows and ranks that do not fill a tile)."""
-    pytest.importorskip("triton")
-    from slimrl.rollout.decode_kernels import SplitScratch
-    from slimrl.rollout.lora_kernels import padded_rank, shrink_
 
     g = torch.Generator(device=KERNEL_DEVICE).manual_seed(rows)
     x = torch.randn(rows, features, generator=g, device=KERNEL_DEVICE)
@@ -169,3 +114,4 @@ def test_ordered_shrink_matches_the_reference_and_leaves_the_counts_at_zero(rows
     (slots, counts), = scratch._held.values()
     assert int(counts.abs().sum()) == 0, "every tile's last program resets its count"
     assert slots.numel() > 0, "the launch did split K (else this test tests nothing)"
+

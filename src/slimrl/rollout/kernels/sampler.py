@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout import pdl
-from slimrl.rollout.pdl import enter
+from slimrl.rollout.kernels.common import compiled_for_cuda, enter
+from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.sampling import SamplingParams
 
 BLOCK = 4096  # logits per loop step of a program
@@ -178,10 +178,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, ste
     greedy = params.greedy
     raw = params.logprobs_mode == "raw"
     inv_t = 1.0 if greedy else 1.0 / params.temperature
-    launch = pdl.options(logits.device)
+    launch = launch_options(logits.device)
     _partial_kernel[(batch, used)](
         logits, seed, step, parts, vocab, per_split, _per_row(vocab), inv_t, GREEDY=greedy, RAW=raw, SPLITS=used,
-        BLOCK=BLOCK, FAST_LOG=pdl.compiled_for_cuda(logits.device), **launch,
+        BLOCK=BLOCK, FAST_LOG=compiled_for_cuda(logits.device), **launch,
     )  # fmt: skip
     _combine_kernel[(batch,)](parts, logits, vocab, inv_t, tokens, logprobs, used, SPLITS=splits, RAW=raw, **launch)
     return tokens, logprobs

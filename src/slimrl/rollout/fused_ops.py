@@ -1,6 +1,7 @@
-"""The decode step's fused projections (`decode_kernels`) bound to one layer's live modules.
+"""The decode step's fused projections (`kernels.projections`, `kernels.norm`) bound to one layer's live modules, and
+the launch settings they use, which are data: `tuned/<GPU name>.json`, written by `bench/tune_decode.py`.
 
-`FusedDecode` gives `Decoder.forward_grouped` four operations; each returns None when the projections at hand do
+`FusedDecode` gives `Decoder.forward` four operations; each returns None when the projections at hand do
 not fit the kernels (several active adapters, mixed LoRA and plain layers, a head dim the kernels cannot tile, ...)
 and the forward then takes its unfused path for that group, which is the reference:
 
@@ -9,22 +10,30 @@ and the forward then takes its unfused path for that group, which is the referen
 - `gate_up(h, gate, up)`: SiLU(gate) * up with both LoRA updates;
 - `add_rms_norm(hidden, delta, norm)`: the residual add and the norm after it.
 
-LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `lora_kernels.shrink_` in one
+LoRA's first product (`x · Aᵀ`, for all projections that share the input) comes from `kernels.lora.shrink_` in one
 launch; the kernels here add `B · scale` in their epilogue. Base weights are multiplied by the kernels themselves
 (`gemm` per group) or by the modules / cuBLAS before the epilogue kernel (bitsandbytes layers, and groups where
-cuBLAS is faster). The cache is addressed through `table` (see `decode_kernels`).
+cuBLAS is faster). The cache is addressed through `table` (see `kernels.projections`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from slimrl.rollout import decode_kernels, lora_kernels
+from slimrl.rollout.kernels import lora as lora_kernels
+from slimrl.rollout.kernels import norm as norm_kernel
+from slimrl.rollout.kernels import projections, runs_here
 from slimrl.rollout.kv_cache import StepContext
-from slimrl.rollout.llama import LinearSpec
+from slimrl.rollout.model.views import LinearSpec
+
+logger = logging.getLogger(__name__)
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 
@@ -34,9 +43,9 @@ class KernelChoice:
     """Launch settings of one projection group: whether the Triton kernel does the base GEMM (else cuBLAS or the
     module does, and the kernel runs the epilogue), its output-column tile (for q/k/v: columns of each RoPE half
     per program), K step, warps and pipeline stages; rows per program (0: up to 64 by the row count) and, for the
-    projections, programs per SM to spread the columns over (0: whole tiles; see `decode_kernels.tile_columns`);
+    projections, programs per SM to spread the columns over (0: whole tiles; see `kernels.common.tile_columns`);
     and programs sharing each tile's K (split-K, with the kernel's own GEMM during a decode step; see
-    `decode_kernels._split_gemm`)."""
+    `kernels.gemm.split_gemm`)."""
 
     gemm: bool = True
     block_n: int = 32
@@ -49,44 +58,44 @@ class KernelChoice:
 
 
 # settings are chosen per row count: decode batches of up to 16, 64 and 256 rows, and prefill blocks beyond
-ROW_BUCKETS = (16, 64, 256, 1 << 30)
+PREFILL = 1 << 30
+ROW_BUCKETS = (16, 64, 256, PREFILL)
+TUNED = Path(__file__).resolve().parent / "tuned"
+FALLBACK_GPU = "NVIDIA H100 80GB HBM3"  # the settings used on a GPU with no file of its own (and in the interpreter)
 
 
-def default_choices() -> dict[str, dict[int, KernelChoice]]:
-    """Per group and row bucket: the fastest candidates of `bench/rollout.py --tune` on an H100 with W1's shapes
-    (docs/bench/w2_tune.json), timed launch by launch. cuBLAS keeps every base GEMM of a prefill (then only the
-    epilogue is ours) and the long-K down projection at 16 and 256 rows; the fused kernels win where launches
-    dominate. At 64 rows the down projection runs on the fused kernel with K split over 4 programs: 1 us slower
-    than cuBLAS alone, but in the captured step it replaces two launches that programmatic dependent launch cannot
-    overlap (cuBLAS and its split-K reduction) and the step is 1% faster (`--variants`, docs/bench/w2_variants.json).
-    Split-K did not win elsewhere (docs/bench/w2_tune_split_k.json)."""
-    cublas = KernelChoice(gemm=False, block_n=64)
-    return {
-        "qkv": {
-            16: KernelChoice(gemm=True, block_n=32, block_k=128),
-            64: KernelChoice(gemm=True, block_n=16, block_k=128),
-            256: KernelChoice(gemm=True, block_n=32, block_k=128),
-            1 << 30: replace(cublas),
-        },
-        "o": {
-            16: KernelChoice(gemm=True, block_n=16, block_k=256),
-            64: KernelChoice(gemm=True, block_n=16, block_k=128, num_stages=4),
-            256: KernelChoice(gemm=True, block_n=64, block_k=128),
-            1 << 30: replace(cublas),
-        },
-        "gate_up": {
-            16: KernelChoice(gemm=True, block_n=32, block_k=128),
-            64: KernelChoice(gemm=True, block_n=64, block_k=64, num_stages=4),
-            256: KernelChoice(gemm=True, block_n=64, block_k=64, per_sm=2),
-            1 << 30: KernelChoice(gemm=False, block_n=128),
-        },
-        "down": {
-            16: replace(cublas),
-            64: KernelChoice(gemm=True, block_n=32, block_k=128, split_k=4),
-            256: replace(cublas, block_n=32),
-            1 << 30: replace(cublas),
-        },
-    }
+def tuned_path(gpu_name: str) -> Path:
+    """Where the tuned settings of a GPU live: its name with every character outside [A-Za-z0-9._-] made '_'."""
+    return TUNED / ("".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in gpu_name) + ".json")
+
+
+def load_choices(path: Path) -> dict[str, dict[int, KernelChoice]]:
+    """{group: {row bucket: KernelChoice}} from a tuned file (bucket keys "16", "64", "256", "prefill")."""
+    data = json.loads(Path(path).read_text())["choices"]
+    def bucket(key: str) -> int:
+        return PREFILL if key == "prefill" else int(key)
+
+    return {group: {bucket(key): KernelChoice(**fields) for key, fields in buckets.items()}
+            for group, buckets in data.items()}  # fmt: skip
+
+
+def save_choices(path: Path, choices: dict, gpu_name: str, **notes) -> None:
+    """Write settings in `load_choices`'s format (bench/tune_decode.py does, after checking each candidate)."""
+    data = {"gpu": gpu_name, **notes, "choices": {
+        group: {"prefill" if b == PREFILL else str(b): dataclasses.asdict(c) for b, c in buckets.items()}
+        for group, buckets in choices.items()}}  # fmt: skip
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def choices_for(device: torch.device) -> tuple[dict[str, dict[int, KernelChoice]], Path]:
+    """The tuned settings for this device's GPU, or the fallback GPU's (said once in the log), and their file."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else FALLBACK_GPU
+    path = tuned_path(name)
+    if not path.is_file():
+        logger.info("slimrl: no tuned decode kernel settings for %s (%s); using those of %s.", name, path.name,
+                    FALLBACK_GPU)  # fmt: skip
+        path = tuned_path(FALLBACK_GPU)
+    return load_choices(path), path
 
 
 @dataclass
@@ -99,7 +108,7 @@ class FusedDecode:
     # deterministic: LoRA shrinks add their K splits in order, and the down projection's shrink is not accumulated
     # across the gate/up kernel's column tiles by atomics (it gets its own ordered shrink)
     ordered: bool = False
-    choices: dict = field(default_factory=default_choices)
+    choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None
     # lora_A(act) of the down projection, accumulated by the gate/up kernel: (act, A, workspace [1, M, R_PAD])
     _shrunk: tuple | None = None
@@ -113,9 +122,9 @@ class FusedDecode:
         return self
 
     @staticmethod
-    def new_scratch() -> decode_kernels.SplitScratch:
+    def new_scratch() -> projections.SplitScratch:
         """Scratch for the split-K launches of the decode steps bound to it (`StepContext.scratch`)."""
-        return decode_kernels.SplitScratch()
+        return projections.SplitScratch()
 
     def _scratch(self):
         return None if self.context is None else self.context.scratch
@@ -174,7 +183,7 @@ class FusedDecode:
         return [s.weight for s in specs], biases, None
 
     def _ready(self, x: torch.Tensor) -> bool:
-        return lora_kernels.runs_here(x) and x.dim() == 2 and x.stride(-1) == 1
+        return runs_here(x) and x.dim() == 2 and x.stride(-1) == 1
 
     def _prepare(self, x: torch.Tensor, specs, group: str):
         """(choice, (weights, biases, outputs), lora) for the group's kernel, or None when it cannot take them."""
@@ -197,11 +206,11 @@ class FusedDecode:
         if delta is not None and (delta.shape != hidden.shape or delta.dtype != hidden.dtype or
                                   not delta.is_contiguous()):  # fmt: skip
             return None
-        return decode_kernels.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+        return norm_kernel.add_rms_norm(hidden, delta, norm.weight, norm.eps)
 
     def qkv(self, layer: int, h, specs, q_norm, k_norm, cos, sin) -> torch.Tensor | None:
         context = self.context
-        if context is None or not decode_kernels.can_run_qkv(self.head_dim, h.dtype):
+        if context is None or not projections.can_run_qkv(self.head_dim, h.dtype):
             return None
         if (q_norm is None) != (k_norm is None):
             return None
@@ -211,7 +220,7 @@ class FusedDecode:
         choice, (weights, biases, outputs), lora = prepared
         norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
         query = torch.empty(h.shape[0], self.heads * self.head_dim, dtype=h.dtype, device=h.device)
-        decode_kernels.qkv_rope_cache(
+        projections.qkv_rope_cache(
             h, weights, biases, outputs, lora, norms, cos, sin, query, context.table, context.anchor, layer,
             context.column, context.cache_len, self.heads, self.kv_heads, self.head_dim, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages, slice_cols=choice.block_n,
@@ -226,7 +235,7 @@ class FusedDecode:
         choice, (weights, biases, outputs), lora = prepared
         width = weights[0].shape[0] if weights is not None else outputs[0].shape[1]
         out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
-        return decode_kernels.project(
+        return projections.project(
             x, weights, biases, outputs, lora, out, pair, block_n=choice.block_n, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
             next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),

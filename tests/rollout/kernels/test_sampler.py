@@ -1,4 +1,4 @@
-"""The fused sampler (`sampling_kernel`) against its plain statement given the same uniforms, its sampled
+"""The fused sampler (`kernels.sampler`) against its plain statement given the same uniforms, its sampled
 frequencies against softmax(z), and the engine with it on: log-probs equal a full forward, a seed reproduces.
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slimrl.rollout.sampling import SamplingParams
-from tests.rollout.test_engine import PROMPTS, build, full_forward_logprobs, no_eos, with_lora
+from tests.rollout.helpers import PROMPTS, build, full_forward_logprobs, no_eos, with_lora
 from tests.tolerances import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     ids=["t0.7", "greedy", "raw"],
 )
 def test_kernel_equals_its_plain_statement_given_the_same_uniforms(dtype, params):
-    from slimrl.rollout import sampling_kernel
+    from slimrl.rollout.kernels import sampler as sampling_kernel
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     batch, vocab = 5, 5000  # several slices per row, the last one partial
@@ -44,7 +44,7 @@ def test_kernel_equals_its_plain_statement_given_the_same_uniforms(dtype, params
 def test_kernel_with_fewer_slices_than_a_power_of_two():
     """A vocabulary whose slices do not fill the power-of-two tile (W1's 151936 at batch 64 is such a case): the
     missing slices must not poison the log-probs."""
-    from slimrl.rollout import sampling_kernel
+    from slimrl.rollout.kernels import sampler as sampling_kernel
 
     batch, vocab = 2, 5 * sampling_kernel.BLOCK + 1
     splits = sampling_kernel.splits_for(batch, vocab)
@@ -63,7 +63,7 @@ def test_kernel_with_fewer_slices_than_a_power_of_two():
 
 
 def test_sampled_frequencies_follow_the_softmax():
-    from slimrl.rollout import sampling_kernel
+    from slimrl.rollout.kernels import sampler as sampling_kernel
 
     draws, temperature = (4000 if DEVICE == "cuda" else 600), 0.8  # the CPU interpreter runs a program per row
     row = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0, 0.5, 1.2, -0.5, 0.2, -9.0, 1.9], device=DEVICE)
@@ -88,11 +88,11 @@ def test_engine_with_fused_sampling_returns_the_forward_logprobs_and_reproduces(
     engine = RolloutEngine(model, fused_sampling=True)
     params = SamplingParams(temperature=0.7, seed=3)
     out = engine.generate(PROMPTS, params, max_new_tokens=8)
-    assert engine._session.fused_sampling and engine._session.noise is None
+    assert engine.sessions.current.fused_sampling and engine.sessions.current.noise is None
     expected = full_forward_logprobs(model.cpu(), PROMPTS, out.completion_ids, 0.7, 0)
     for r, (got, want) in enumerate(zip(out.logprobs, expected, strict=True)):
         assert_close(torch.tensor(got), want, "engine_logprobs", name=f"logprobs of sequence {r}")
     model.to(DEVICE)
     assert engine.generate(PROMPTS, params, max_new_tokens=8).completion_ids == out.completion_ids
     filtered = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_k=3, seed=3), max_new_tokens=8)
-    assert not engine._session.fused_sampling and len(filtered.completion_ids) == len(PROMPTS)
+    assert not engine.sessions.current.fused_sampling and len(filtered.completion_ids) == len(PROMPTS)

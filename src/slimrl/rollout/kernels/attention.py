@@ -4,8 +4,9 @@ With left-padded prompts, sequence b's keys are the columns [start_b, end] of it
 end = the column just written, the same for all rows). One program per (sequence, kv head) loads the `group` query
 heads that share the kv head as the rows of one tile, and streams those columns once with an online softmax: no mask
 tensor, no repeat of K/V, and the unused columns past `end` are never read (SDPA reads the whole static row).
-The reference is `F.scaled_dot_product_attention` with the additive mask (`llama.decode_attention`'s other branch);
-the tests compare the two on CUDA. Import this module only where Triton may be used.
+The reference is `F.scaled_dot_product_attention` with the additive mask (the other branch of
+`model.llama.decode_attention`); the tests compare the two, on CUDA and in Triton's interpreter.
+Import this module only where Triton may be used.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout import pdl
+from slimrl.rollout.kernels import interpreting
+from slimrl.rollout.kernels.common import enter, round_to
+from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kv_cache import table_unit
-from slimrl.rollout.pdl import enter
 
 BLOCK_S = 64  # cache columns per step of the loop (default; `decode_attention(block_s=...)`)
 
@@ -28,30 +30,11 @@ def can_run(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _decode_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    start_ptr,
-    end_ptr,
-    table_ptr,
-    anchor_ptr,
-    layer,
-    scale,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr,
-    FROM_TABLE: tl.constexpr,
-    UNIT: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, table_ptr, anchor_ptr, layer, scale,
+                             stride_kb, stride_kh, stride_ks, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                             FROM_TABLE: tl.constexpr, UNIT: tl.constexpr, DOT_F32: tl.constexpr,
+                             PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
         k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
@@ -75,14 +58,21 @@ def _decode_attention_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         live = (offs_s >= start) & (offs_s < end)
         k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_S] fp32
+        if DOT_F32:  # Triton's interpreter multiplies half-precision tiles wrongly; their fp32 products are exact
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_S] fp32
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if DOT_F32:
+            pv = tl.dot(round_to(p, v.dtype), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok)
@@ -119,7 +109,8 @@ def decode_attention(
         q, q if from_table else keys, q if from_table else values, out, starts, end, table if from_table else starts,
         anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2),
         HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=block_s,
-        PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), num_warps=num_warps,
-        **pdl.options(q.device),
+        PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), DOT_F32=interpreting(),
+        num_warps=num_warps,
+        **launch_options(q.device),
     )  # fmt: skip
     return out

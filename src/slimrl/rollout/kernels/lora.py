@@ -13,30 +13,24 @@ live from the model:
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
 scaling` with the adapter dtype's roundings, the sum rounded once to the output dtype); only summation order differs.
-fp32 products use TF32 when `tf32` is set. `llama.add_lora_` is the plain-PyTorch version, and the tests
+fp32 products use TF32 when `tf32` is set. `model.reference.add_lora_` is the plain-PyTorch version, and the tests
 compare the two on CUDA. Import this module only where Triton may be used: it imports triton at import time.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout import pdl
-from slimrl.rollout.llama import add_lora_
-from slimrl.rollout.pdl import enter
+from slimrl.rollout.kernels import runs_here
+from slimrl.rollout.kernels.common import enter
+from slimrl.rollout.kernels.common import options as launch_options
+from slimrl.rollout.model.reference import add_lora_
 
 MAX_GROUP = 3  # adapters per launch (q, k, v)
 TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H100)
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
-
-
-def runs_here(x: torch.Tensor) -> bool:
-    """Whether Triton kernels can take this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1 (the tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def can_fuse(x: torch.Tensor, items) -> bool:
@@ -58,28 +52,10 @@ def can_fuse(x: torch.Tensor, items) -> bool:
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr,
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    ws_ptr,
-    sp_ptr,
-    cnt_ptr,
-    M,
-    K,
-    R,
-    stride_xm,
-    k_per_split,
-    R_BLOCKS: tl.constexpr,
-    R_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ORDERED: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sp_ptr, cnt_ptr, M, K, R, stride_xm, k_per_split,
+                   R_BLOCKS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1) // R_BLOCKS
@@ -136,31 +112,9 @@ def _ordered_sum(acc, sp_ptr, cnt_ptr, split, BM: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
-def _expand_kernel(
-    ws_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    y0_ptr,
-    y1_ptr,
-    y2_ptr,
-    n0,
-    n1,
-    n2,
-    s0,
-    s1,
-    s2,
-    M,
-    R,
-    tiles0,
-    tiles1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    R_PAD: tl.constexpr,
-    ROUND_ADAPTER: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _expand_kernel(ws_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n1, n2, s0, s1, s2, M, R, tiles0, tiles1,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -249,7 +203,7 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, workspace, slots, counts, rows, features, rank, x.stride(0), k_per_split,
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        ORDERED=ordered and splits > 1, **pdl.options(x.device),
+        ORDERED=ordered and splits > 1, **launch_options(x.device),
     )  # fmt: skip
     return workspace[: group * rows * r_pad].view(group, rows, r_pad)
 
@@ -284,7 +238,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     _expand_kernel[(m_tiles, sum(tiles))](
         workspace, *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=r_pad, ROUND_ADAPTER=round_adapter, PRECISION=precision,
-        **pdl.options(x.device),
+        **launch_options(x.device),
     )  # fmt: skip
 
 

@@ -1,0 +1,176 @@
+"""The pieces the fused projection kernels share: a skinny GEMM over one or two weight matrices (K split over
+several programs when asked, its partial sums added in split order), the base output as transformers rounds it, and
+peft's LoRA update as an epilogue. `SplitScratch` holds the split-K partial sums and arrival counts.
+Import this module only where Triton may be used: it imports triton at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slimrl.rollout.kernels.common import round_to
+
+
+@triton.jit
+def gemm_pair(acc0, acc1, x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs_n0, w1_ptr, offs_n1, n_ok, K, k_lo, k_hi,
+               BK: tl.constexpr, TWO: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+               DOT_F32: tl.constexpr):  # fmt: skip
+    """acc0 += x · w0[offs_n0]ᵀ and, when TWO, acc1 += x · w1[offs_n1]ᵀ (x read once), over columns k_lo..k_hi of K.
+    w* are [N, K] row-major."""
+    offs_k = tl.arange(0, BK)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            w0 = tl.load(w0_ptr + offs_n0[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k[None, :] < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+            w0 = tl.load(w0_ptr + offs_n0[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        x = x.to(w0.dtype)
+        if DOT_F32:  # Triton's interpreter multiplies half-precision tiles wrongly; their fp32 products are exact
+            x = x.to(tl.float32)
+            w0 = w0.to(tl.float32)
+        acc0 = tl.dot(x, tl.trans(w0), acc0, input_precision=PRECISION)
+        if TWO:
+            if EVEN_K:
+                w1 = tl.load(w1_ptr + offs_n1[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                w1 = tl.load(w1_ptr + offs_n1[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            if DOT_F32:
+                w1 = w1.to(tl.float32)
+            acc1 = tl.dot(x, tl.trans(w1), acc1, input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def with_bias(acc, b_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr, OUT: tl.constexpr):
+    """The base projection's output as transformers gets it: fp32 accumulator plus bias, rounded once."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return round_to(acc, OUT)
+
+
+@triton.jit
+def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, sp_ptr, cnt_ptr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, EVEN_K: tl.constexpr,
+                PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The fp32 products of `gemm_pair` with K split over SPLIT programs (program_id(2)), and whether this program
+    holds them (the last of its tile to finish; the others return partial sums and False).
+
+    Each program stores its partial sums in its own slot of sp (fp32, [tiles, SPLIT, 2, BM, BN]) and counts itself
+    in cnt[tile] (int32, zero between launches); the last to arrive adds the slots in split order, so the sum
+    does not depend on which finished first, and zeroes the count for the next launch."""
+    acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    split = tl.program_id(2)
+    k_per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    acc0, acc1 = gemm_pair(acc0, acc1, x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, k_lo,
+                            k_hi, BK, TWO, EVEN_K, PRECISION, DOT_F32)  # fmt: skip
+    last = True
+    if SPLIT > 1:
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        slots = sp_ptr + tile.to(tl.int64) * (SPLIT * 2 * BM * BN)
+        tl.store(slots + (2 * split) * (BM * BN) + cells, acc0)
+        if TWO:
+            tl.store(slots + (2 * split + 1) * (BM * BN) + cells, acc1)
+        tl.debug_barrier()  # every thread's partial sums are out before the count is released
+        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # in split order; .cg reads the other SMs' stores from L2
+                acc0 += tl.load(slots + (2 * s) * (BM * BN) + cells, cache_modifier=".cg")
+                if TWO:
+                    acc1 += tl.load(slots + (2 * s + 1) * (BM * BN) + cells, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)
+    return acc0, acc1, last
+
+
+@triton.jit
+def base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, b0_ptr, b1_ptr, y0_ptr,
+                  y1_ptr, width, K, sp_ptr, cnt_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  TWO: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_F32: tl.constexpr, OUT: tl.constexpr,
+                  SPLIT: tl.constexpr):  # fmt: skip
+    """The base projection's outputs at columns offs0 (and offs1 when TWO), rounded as transformers gets them:
+    computed here (GEMM, K split over SPLIT programs, see `split_gemm`) or loaded from y0/y1 [M, width]
+    (computed by cuBLAS or a module); and m_ok narrowed to nothing in the programs that do not finish the tile."""
+    if GEMM:
+        acc0, acc1, last = split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, sp_ptr,
+                                       cnt_ptr, BM, BN, BK, TWO, EVEN_K, PRECISION, DOT_F32, SPLIT)  # fmt: skip
+        if SPLIT > 1:  # (m_ok & last in int32: the interpreter's bool & broadcast bool gives no bool mask)
+            m_ok = (m_ok.to(tl.int32) & last.to(tl.int32)) != 0
+        y0 = with_bias(acc0, b0_ptr, offs0, n_ok, HAS_BIAS, OUT)
+        y1 = with_bias(acc1, b1_ptr, offs1, n_ok, HAS_BIAS, OUT)
+    else:
+        tile = m_ok[:, None] & n_ok[None, :]
+        y0 = tl.load(y0_ptr + offs_m[:, None] * width + offs0[None, :], mask=tile, other=0.0).to(tl.float32)
+        y1 = y0
+        if TWO:
+            y1 = tl.load(y1_ptr + offs_m[:, None] * width + offs1[None, :], mask=tile, other=0.0).to(tl.float32)
+    return y0, y1, m_ok
+
+
+@triton.jit
+def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
+              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """peft's `result + lora_B(lora_A(x)) * scaling`, rounded to the output dtype; lora_A(x) is the shrink
+    workspace [G, M, R_PAD] (fp32), lora_B is [N, R]."""
+    offs_r = tl.arange(0, R_PAD)
+    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok[:, None], other=0.0)
+    b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    if ROUND_ADAPTER:  # half-precision adapters: each of peft's steps rounds to the adapter dtype
+        xa = round_to(xa, b.dtype)
+    delta = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+    if ROUND_ADAPTER:
+        delta = round_to(delta, b.dtype)
+        delta = round_to(delta * scale, b.dtype)
+    else:
+        delta = delta * scale
+    return round_to(y + delta, OUT)
+
+
+class SplitScratch:
+    """Partial-sum slots and arrival counts of the split-K launches (`split_gemm`), one pair per device.
+
+    A captured graph bakes their addresses in, so they live as long as the owner (the engine's decode session, with
+    its graph): they grow outside a capture (the warm-up steps before one see every shape) and are never freed
+    while held; a launch that needs more room during a capture runs unsplit instead. The counts are zero between
+    launches (each tile's last program resets its own)."""
+
+    def __init__(self):
+        self._held: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outgrown: list = []  # superseded buffers an earlier capture may still read
+
+    def take(self, device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        held = self._held.get(device)
+        if held is not None and held[0].numel() >= elements and held[1].numel() >= tiles:
+            return held
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if held is not None:
+            self._outgrown.append(held)
+            elements, tiles = max(elements, held[0].numel()), max(tiles, held[1].numel())
+        held = (torch.empty(elements, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
+        self._held[device] = held
+        return held
+
+
+def split_args(split_k: int, scratch, x: torch.Tensor, tiles: int, block_m: int, block_n: int, block_k: int):
+    """(SPLIT, partials, counts) for a launch of `tiles` output tiles: K split into at most split_k even shares of
+    whole K steps when a scratch has room, else unsplit (placeholders for the unused pointers)."""
+    steps = triton.cdiv(x.shape[1], block_k)
+    split = triton.cdiv(steps, triton.cdiv(steps, max(1, min(split_k, steps))))
+    if split > 1 and scratch is not None:
+        held = scratch.take(x.device, tiles * split * 2 * block_m * block_n, tiles)
+        if held is not None:
+            return split, held[0], held[1]
+    return 1, x, x
+

@@ -1,0 +1,234 @@
+"""Runs the model for the engine: the prefill of a wave's prompts, the decode step (the body a CUDA graph captures),
+sampling into the session's buffers, and the decode loop. The pieces it runs the decoder's forward with
+(`GroupedOps`) are chosen once from the resolved `EngineOptions`: plain, compiled, or Triton kernels.
+
+Per rollout wave: prompts are left-padded to a common length P (their real tokens at positions 0..len-1, as
+transformers derives them from the attention mask) and prefilled in row blocks into the session's static KV cache;
+then each decode step (embed, all layers, LM head, logits processing, sampling, bookkeeping) runs on static buffers
+without host syncs, as a replayed graph on CUDA. Finished rows keep running masked until every row is done.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from slimrl.rollout.kv_cache import StepContext
+from slimrl.rollout.model.llama import Decoder, decode_attention, prefill_attention
+from slimrl.rollout.model.reference import EAGER_GROUPED, GroupedOps, prefill_mask
+from slimrl.rollout.options import EngineOptions
+from slimrl.rollout.planning import PREFILL_TOKENS
+from slimrl.rollout.sampling import SamplingParams, choose_tokens, exponential_noise
+from slimrl.rollout.session import Session
+from slimrl.rollout.stopping import check_stop_strings
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY = 16  # decode steps between looks at "all done" and stop strings
+
+
+class Compiled:
+    """A torch.compile'd function; on a compile error the eager function takes over (once, with a warning)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=None)
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                logger.warning("torch.compile failed for %s (%s); running it eagerly.", self.fn.__name__, err)
+                self.failed = True
+        return self.fn(*args, **kwargs)
+
+
+class Runner:
+    """The decoder with the kernels its options chose; the engine drives it wave by wave."""
+
+    def __init__(self, decoder: Decoder, options: EngineOptions, pad_token_id: int, tokenizer=None):
+        self.decoder, self.options, self.pad_token_id, self.tokenizer = decoder, options, pad_token_id, tokenizer
+        self.device = decoder.device
+        self.generator = torch.Generator(device=self.device)
+        ops = EAGER_GROUPED
+        if options.compile:
+            ops = GroupedOps(*(Compiled(fn) for fn in ops[:4]), ops.add_lora)
+        self.choose = Compiled(choose_tokens) if options.compile else choose_tokens
+        if options.triton_lora:
+            from slimrl.rollout.kernels.lora import GroupedLoRA
+
+            ops = ops._replace(add_lora=GroupedLoRA(tf32=options.tf32_adapters, ordered=options.deterministic))
+        self.ops = ops
+        self.attention = self.sampler = self.fused = None
+        if options.triton_attention:
+            from slimrl.rollout.kernels import attention
+
+            self.attention = attention
+        if options.fused_sampling:
+            from slimrl.rollout.kernels import sampler
+
+            self.sampler = sampler
+        if options.fused_decode:
+            from slimrl.rollout.fused_ops import FusedDecode
+
+            d = decoder
+            self.fused = FusedDecode(d.heads, d.kv_heads, d.head_dim, ops.add_lora, tf32=options.tf32_adapters,
+                                     ordered=options.deterministic, choices=options.kernel_choices)  # fmt: skip
+
+    def fused_sampling_applies(self, params: SamplingParams) -> bool:
+        return self.sampler is not None and self.sampler.applies(params)
+
+    # -- prefill -------------------------------------------------------------------------------------------------
+
+    def prefill(self, session: Session, prompts, length: int) -> torch.Tensor:
+        """Run the prompts through the model in row blocks; return the last position's logits [batch, V]."""
+        decoder, device, batch = self.decoder, self.device, session.batch
+        padded = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        real_host = torch.zeros((batch, length), dtype=torch.bool)
+        for r in range(batch):
+            tokens = prompts[r] if r < len(prompts) else [self.pad_token_id]
+            padded[r, length - len(tokens) :] = torch.tensor(tokens)
+            real_host[r, length - len(tokens) :] = True
+        padded, real = padded.to(device), real_host.to(device)
+        positions = (real.long().cumsum(-1) - 1).clamp_min_(0)  # transformers: cumsum of the attention mask - 1
+        logits = torch.empty(batch, decoder.vocab_size, dtype=decoder.dtype, device=device)
+        ops = self.ops if self.fused is None else self.ops._replace(fused=self.fused.bind(None))  # no step context:
+        # q/k/v stay unfused in a prefill; SwiGLU takes the LoRA update in its epilogue
+        block = max(1, PREFILL_TOKENS // length)
+        for start in range(0, batch, block):
+            rows = slice(start, min(batch, start + block))
+            b = rows.stop - rows.start
+            # no padding in this block: causal attention without a mask (flash kernels); else the padded mask
+            mask = None if real_host[rows].all() else prefill_mask(real[rows], decoder.dtype)
+            cos = session.cos.index_select(0, positions[rows].reshape(-1))
+            sin = session.sin.index_select(0, positions[rows].reshape(-1))
+
+            def attend(layer, q, k, v, rows=rows, mask=mask, b=b):
+                return prefill_attention(decoder, session.cache, layer, rows, q, k, v, mask, b, length)
+
+            hidden = decoder.forward(padded[rows].reshape(-1), cos, sin, attend, ops, self.options.compile)
+            logits[rows] = decoder.logits(hidden.view(b, length, -1)[:, -1])
+        return logits
+
+    # -- one step ------------------------------------------------------------------------------------------------
+
+    def fill_noise(self, session: Session) -> None:
+        if session.noise is not None:
+            exponential_noise(None, None, self.generator, out=session.noise)
+
+    def finish_step(self, session: Session, logits: torch.Tensor) -> None:
+        """Choose the next tokens from logits [B, V] and advance every buffer; no host sync (graph-safe)."""
+        params = session.params
+        if self.options.compile and logits.shape[0] > 1:
+            for t in (logits, session.seen, session.noise):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        if session.fused_sampling:
+            tokens, logprobs = self.sampler.choose(logits, params, session.seed, session.step)
+            logprobs = logprobs if params.logprobs else None
+        else:
+            tokens, logprobs = self.choose(logits, params, session.seen, session.noise)
+        tokens = torch.where(session.done, self.pad_token_id, tokens)
+        session.out_tokens.index_copy_(1, session.step, tokens[:, None])
+        if logprobs is not None:
+            session.out_logprobs.index_copy_(1, session.step, logprobs[:, None])
+        if session.seen is not None:
+            session.seen.scatter_(1, tokens[:, None], True)
+        session.step.add_(1)
+        finished = session.step >= session.max_new
+        if session.stop_ids is not None:
+            finished = finished | (tokens[:, None] == session.stop_ids[None, :]).any(dim=-1)
+        session.done.logical_or_(finished)
+        session.tokens.copy_(tokens)
+        session.positions.add_(1)
+        session.column.add_(1)
+
+    def decode_step(self, session: Session) -> None:
+        """One token for every row: the body that is captured as a CUDA graph."""
+        decoder = self.decoder
+        kernel = self._attention_kernel(session)
+        if kernel is None:
+            session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
+        cos = session.cos.index_select(0, session.positions)
+        sin = session.sin.index_select(0, session.positions)
+        unfused = []
+
+        def attend(layer, q, k, v):
+            if k is not None:
+                unfused.append(layer)
+            return decode_attention(decoder, session.cache, layer, session.column, q, k, v, session.mask, kernel,
+                                    session.starts)  # fmt: skip
+
+        ops = self.ops
+        if self.fused is not None:
+            if session.scratch is None:
+                session.scratch = self.fused.new_scratch()
+            context = StepContext(session.table, session.anchor, session.column, session.seq_len, session.scratch)
+            ops = ops._replace(fused=self.fused.bind(context))
+        hidden = decoder.forward(session.tokens, cos, sin, attend, ops, self.options.compile)
+        self.finish_step(session, decoder.logits(hidden))
+        # the cache was reached only through the table: a graph of this step survives a new cache
+        session.step_bakes_cache = kernel is None or bool(unfused)
+
+    def _attention_kernel(self, session: Session):
+        """Triton decode attention reading the cache through the session's table, or None (SDPA with the mask)."""
+        module = self.attention
+        if module is None or not module.can_run(self.decoder.head_dim, self.decoder.dtype):
+            return None
+
+        def kernel(q, keys, values, starts, end, scale, layer):
+            # launch settings by batch size (bench/tune_decode.py on an H100, W1's shapes); fp32 tiles of 128
+            # columns exceed the shared memory
+            tiles = {"block_s": 128, "num_warps": 8} if q.shape[0] <= 64 and q.element_size() <= 2 else {}
+            return module.decode_attention(q, keys, values, starts, end, scale, layer, session.table, session.anchor,
+                                           **tiles)  # fmt: skip
+
+        return kernel
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def decode(self, session: Session, count: int, max_steps: int, params: SamplingParams) -> int:
+        """Run decode steps until every row is done or max_steps tokens exist; return the tokens per row made.
+        On CUDA "all done" is read one check late, so the GPU never waits for the host."""
+        on_cuda = self.device.type == "cuda"
+        pending = None  # (event, flag) of the previous check
+        checked = [0] * count
+        every_step = params.sampler == "multinomial"  # as transformers: no step (no draw) once every row is done
+        step = 1
+        while step < max_steps:
+            if every_step and bool(session.done.all()):
+                break
+            self.fill_noise(session)
+            if session.graph is not None:
+                session.graph.replay()
+            else:
+                self.decode_step(session)
+            step += 1
+            if params.stop_strings and (every_step or (step % CHECK_EVERY == 0 and step < max_steps)):
+                check_stop_strings(session, self.tokenizer, count, step, checked)
+            if step % CHECK_EVERY or step >= max_steps or every_step:
+                continue
+            if not on_cuda:
+                if bool(session.done.all()):
+                    break
+                continue
+            if pending is not None:
+                pending[0].synchronize()
+                if bool(pending[1]):
+                    break
+            pending = _all_done_flag(session)
+        return step
+
+
+def _all_done_flag(session: Session) -> tuple:
+    """(event, pinned flag) that will say whether every row is done, copied without waiting."""
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(session.done.all(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event, flag

@@ -1,0 +1,93 @@
+"""The fused projection kernels' launch variants: spread columns, chosen row tiles, split K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
+from slimrl.rollout.model.reference import add_lora_, project, qk_norm_rope, silu_mul
+from tests.rollout.kernels.builders import DEVICE, DIM, HEADS, HIDDEN, KV_HEADS, RANK, fused_ops, make_spec, rand
+from tests.tolerances import assert_close
+
+
+@pytest.mark.parametrize("gemm", [True, False])
+def test_projection_kernels_with_spread_columns_and_chosen_row_tiles(gemm):
+    """Wave-balanced tiles (a program owns fewer columns than its tile holds) and a chosen row tile give the same
+    outputs as whole tiles: the masked lanes of each tile compute nothing that is stored or shrunk."""
+    from slimrl.rollout.kernels import common
+
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    rows, width, dtype = 37, 80, torch.bfloat16
+    x = rand(g, rows, HIDDEN, dtype=dtype)
+    gate, up = (make_spec(g, width, HIDDEN, dtype, torch.float32, True, True, s) for s in (0.5, 1.5))
+    down = make_spec(g, 48, width, dtype, torch.float32, True, True, 0.25)
+    outputs = {}
+    for label, block_m, per_sm in (("whole", 0, 0), ("spread", 16, 3)):
+        ops, grouped = fused_ops(gemm, dtype)
+        for buckets in ops.choices.values():
+            for choice in buckets.values():
+                choice.block_m, choice.per_sm = block_m, per_sm
+        grouped.begin(rows, 4, RANK, torch.device(DEVICE))
+        act = ops.gate_up(x, gate, up, down)
+        outputs[label] = (act, ops.linear(act, down, "down"))
+    row_blocks = -(-rows // 16)
+    cols = common.tile_columns(width, row_blocks, 64, 3, torch.device(DEVICE))
+    if DEVICE == "cpu":
+        assert cols == 20, "the spread case should leave most of each 64-column tile masked"
+    (gate_out, up_out) = project(x, (gate, up), add_lora_)
+    want_act = silu_mul(gate_out, up_out)
+    for label, (act, down_out) in outputs.items():
+        assert_close(act.float(), want_act.float(), "bf16", name=f"silu(gate) * up, {label} tiles")
+        (want_down,) = project(act, (down,), add_lora_)
+        assert_close(down_out.float(), want_down.float(), "bf16", name=f"down after the fused shrink, {label}")
+    if DEVICE == "cpu":  # the interpreter sums each column the same way in any tile (a GPU may pick other MMAs)
+        assert torch.equal(outputs["whole"][0], outputs["spread"][0]), "the tiling changed the gate/up outputs"
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split_k):
+    """K shared by several programs per tile (three K steps: shares of 2 + 1, or 1 + 1 + 1): q/k/v with RoPE and
+    the cache write, gate/up with the down shrink, and down give the unsplit path's values, twice in a row (each
+    tile's last program resets its count for the next launch)."""
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    rows, width, cache_len, column, dtype = 37, 80, 24, 9, torch.bfloat16
+    x = rand(g, rows, HIDDEN, dtype=dtype)
+    qkv = [make_spec(g, n * DIM, HIDDEN, dtype, torch.float32, True, True, 0.5 + i)
+           for i, n in enumerate((HEADS, KV_HEADS, KV_HEADS))]  # fmt: skip
+    gate, up = (make_spec(g, width, HIDDEN, dtype, torch.float32, True, True, s) for s in (0.5, 1.5))
+    down = make_spec(g, 48, width, dtype, torch.float32, False, True, 0.25)
+    angles = torch.rand(rows, DIM // 2, generator=g, device=DEVICE) * 6.0
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+
+    q_ref, k_ref, v_ref = project(x, qkv, add_lora_)
+    q_ref, k_ref = qk_norm_rope(q_ref.view(rows, HEADS, DIM), k_ref.view(rows, KV_HEADS, DIM), None, None,
+                                      cos, sin)  # fmt: skip
+    gate_out, up_out = project(x, (gate, up), add_lora_)
+    act_ref = silu_mul(gate_out, up_out)
+
+    ops, grouped = fused_ops(True, dtype)
+    for buckets in ops.choices.values():
+        for choice in buckets.values():
+            choice.split_k = split_k
+    scratch = ops.new_scratch()
+    cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
+    anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
+    table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
+    ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, scratch))
+    for attempt in range(2):
+        grouped.begin(rows, 4, RANK, torch.device(DEVICE))
+        query = ops.qkv(0, x, qkv, None, None, cos, sin)
+        act = ops.gate_up(x, gate, up, down)
+        out = ops.linear(act, down, "down")
+        assert query is not None and act is not None and out is not None
+        assert_close(query.float(), q_ref.reshape(rows, -1).float(), "bf16", name=f"q, launch {attempt}")
+        assert_close(cache.keys[0][:, :, column].float(), k_ref.float(), "bf16", name=f"cached k, launch {attempt}")
+        assert_close(cache.values[0][:, :, column].float(), v_ref.view(rows, KV_HEADS, DIM).float(), "bf16",
+                     name=f"cached v, launch {attempt}")  # fmt: skip
+        assert_close(act.float(), act_ref.float(), "bf16", name=f"silu(gate) * up, launch {attempt}")
+        (want,) = project(act, (down,), add_lora_)
+        assert_close(out.float(), want.float(), "bf16", name=f"down, launch {attempt}")
+        (held,) = scratch._held.values()
+        assert held[1].numel() > 0 and not held[1].any(), "a tile's arrival count was left non-zero"
+

@@ -1,0 +1,56 @@
+"""EngineOptions: every flag decided by the device, errors that name the flag, tuned kernel settings as data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from slimrl.rollout import fused_ops
+from slimrl.rollout.engine import RolloutEngine
+from slimrl.rollout.options import EngineOptions
+from tests.rollout.helpers import build
+
+
+def test_cpu_defaults_are_the_plain_eager_path():
+    options = EngineOptions().resolve(torch.device("cpu"), torch.float32)
+    assert (options.cuda_graphs, options.compile, options.tf32_adapters) == (False, False, False)
+    assert not any((options.triton_lora, options.triton_attention, options.fused_decode, options.fused_sampling))
+    assert options.kernel_choices is None and not options.deterministic
+
+
+def test_impossible_settings_name_the_flag():
+    with pytest.raises(ValueError, match="cuda_graphs and compile need the model on a CUDA device"):
+        EngineOptions(cuda_graphs=True).resolve(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="fused_decode=True needs triton_lora=True"):
+        EngineOptions(fused_decode=True, triton_lora=False).resolve(torch.device("cpu"), torch.float32)
+
+
+def test_fused_decode_loads_the_tuned_settings_and_describe_reports_them():
+    engine = RolloutEngine(build("llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1),
+                           triton_lora=True, fused_decode=True, deterministic=True)  # fmt: skip
+    described = engine.describe()
+    assert described["choices_file"] == "NVIDIA_H100_80GB_HBM3.json"  # the fallback GPU's, in the interpreter
+    assert described["kernel_choices"]["down@64"]["split_k"] == 4
+    assert described["deterministic"] and described["head_dim"] == 32 and described["kv_cache_bytes"] == 0
+
+
+def test_tuned_files_round_trip_and_every_group_covers_every_bucket(tmp_path):
+    choices, path = fused_ops.choices_for(torch.device("cpu"))
+    assert set(choices) == set(fused_ops.GROUPS)
+    assert all(set(buckets) == set(fused_ops.ROW_BUCKETS) for buckets in choices.values())
+    copy = tmp_path / "GPU.json"
+    fused_ops.save_choices(copy, choices, "GPU", written_by="test")
+    assert fused_ops.load_choices(copy) == choices
+    assert json.loads(copy.read_text())["written_by"] == "test"
+    assert fused_ops.tuned_path("NVIDIA H100 80GB HBM3").name == path.name
+
+
+def test_explicit_kernel_choices_replace_the_tuned_ones():
+    choices, _ = fused_ops.choices_for(torch.device("cpu"))
+    choices["o"][64] = dataclasses.replace(choices["o"][64], block_n=64)
+    options = EngineOptions(triton_lora=True, fused_decode=True, kernel_choices=choices)
+    resolved = options.resolve(torch.device("cpu"), torch.float32)
+    assert resolved.kernel_choices["o"][64].block_n == 64 and resolved.choices_file is None
