@@ -8,7 +8,7 @@ import sys
 import slimrl
 
 EPILOG = """examples:
-  slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 10 minutes on 2 CPU cores)
+  slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 15 minutes on 2 CPU cores)
   slimrl demo --steps 100 --device cuda --output-dir runs/demo
 
 exit status of demo: 0 done, 1 training stopped on a non-finite loss or gradient (metrics.json says where), 2 bad
