@@ -28,8 +28,8 @@ TIMINGS = ("generation_s", "reward_s", "training_s")  # the step timer's parts o
 
 @dataclass
 class DemoSettings:
-    """The demo's settings; the defaults finish in about 15 minutes on 2 CPU cores (872 s measured). `slimrl demo --help` says what
-    each one means."""
+    """The demo's settings; the defaults finish in about 15 minutes on 2 CPU cores (872 s measured). `slimrl demo
+    --help` says what each one means."""
 
     model: str = "SmolLM2-135M-Instruct"
     steps: int = 50
