@@ -76,6 +76,12 @@ class Report(dict):
     def exit_status(self) -> int:
         return 1 if self["problems"] else 0
 
+    def print_outcome(self) -> None:
+        """Each problem on a line of its own, then where the report is."""
+        for problem in self["problems"]:
+            print(f"PROBLEM: {problem}")
+        print(f"wrote {self.path}")
+
 
 def finite(values: Iterable) -> list[float]:
     """The numeric, finite entries of `values`."""
@@ -222,3 +228,85 @@ def weight_bytes(model) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+# -- shared measurements -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recorded(report: Report, name: str) -> Iterator[None]:
+    """Run one piece of a benchmark: what it raises is recorded in `report` (its traceback under `errors[name]`, a line
+    in `problems`) and the script goes on to the next piece; the report is saved after it either way."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - recorded; the exit status says the run failed
+        traceback.print_exc()
+        report.setdefault("errors", {})[name] = traceback.format_exc()[-4000:]
+        report["problems"].append(f"{name} raised {type(error).__name__}: {error}".splitlines()[0][:300])
+    finally:
+        report.save()
+
+
+def kernel_profile(fn, cuda: bool, repeats: int = 1) -> list[tuple[float, float, str]]:
+    """(self time in us, calls, name) of each kernel (CUDA) or operator (CPU) that `fn()` runs, divided by `repeats`,
+    largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync_time()
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [(getattr(e, field, 0) or 0, e.count, e.key[:90]) for e in prof.key_averages()]
+    return sorted(((t / repeats, n / repeats, k) for t, n, k in rows if t > 0), reverse=True)
+
+
+def generate_throughput(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """TRL's default generation path: `generate(do_sample=True)` at temperature 1 through the (PEFT) model on
+    same-length prompts, exactly `new_tokens` each, after a short warm-up; tokens/s of the timed call."""
+    import torch
+
+    ids = torch.tensor(prompts, device=model.device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=1, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, :32], attention_mask=torch.ones_like(ids[:, :32]), max_new_tokens=4, **kwargs)
+        start = sync_time()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, **kwargs)  # fmt: skip
+        seconds = sync_time() - start
+    tokens = (out.shape[1] - ids.shape[1]) * len(prompts)
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens, "new_tokens": new_tokens}
+
+
+def continuous_batching_throughput(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """transformers' continuous batching (`generate_batch`, TRL's use_transformers_continuous_batching) at
+    temperature 1 through the (PEFT) model, after a short warm-up; tokens/s of the timed call."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=None, pad_token_id=1)  # fmt: skip
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:4], generation_config=config, max_new_tokens=8)
+        start = sync_time()
+        out = model.generate_batch(inputs=prompts, generation_config=config)
+        seconds = sync_time() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "tokens": tokens, "new_tokens": new_tokens}
+
+
+def greedy_agreement(model, prompts: list[list[int]], completions: list[list[int]], new_tokens: int) -> dict:
+    """`completions` (greedy, from another generator) against `model.generate` greedy on the same prompts, left-padded
+    with id 1: the matching prefix of each row, the rows identical over `new_tokens` and the share of equal tokens."""
+    import torch
+
+    length = max(map(len, prompts))
+    ids = torch.tensor([[1] * (length - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=1, eos_token_id=None)[:, length:].tolist()  # fmt: skip
+    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                for a, b in zip(completions, ref, strict=True)]  # fmt: skip
+    same = sum(x == y for a, b in zip(completions, ref, strict=True) for x, y in zip(a, b, strict=False))
+    return {"identical_rows": sum(p == new_tokens for p in prefixes), "rows": len(prompts), "matching_prefix": prefixes,
+            "token_match_fraction": round(same / (len(prompts) * new_tokens), 4), "new_tokens": new_tokens}  # fmt: skip

@@ -14,25 +14,24 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
+import sys
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # a test loads this file by path
+import torch  # noqa: E402
+from common import W1_VOCAB, sync_time, w1_model  # noqa: E402
 
-V, B, P = 151936, 8, 256
+B, P = 8, 256
+CONTEXT = 140000  # the model's max_position_embeddings: room for 131072 completion tokens behind the prompt
 
 
 def build_model():
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=V, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=140000,
-                         tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).cuda()
-    lora = LoraConfig(r=64, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    """W1's model with its LoRA r=64 adapter (bench/common.py), initialised on the CPU as this benchmark always was
+    (the base weights of the runs in docs/bench), then moved to the GPU. lora_A is drawn right after reseeding, as in
+    every W1 benchmark: grad norms differ from runs recorded before that (the loss does not: lora_B starts at 0)."""
+    return w1_model(device="cpu", context=CONTEXT).cuda()
 
 
 def build_trainer(kind: str, model, max_len: int, beta: float, variant: dict | None = None):
@@ -66,9 +65,9 @@ def build_trainer(kind: str, model, max_len: int, beta: float, variant: dict | N
 def make_inputs(length: int):
     g = torch.Generator(device="cuda").manual_seed(length)
     return {
-        "prompt_ids": torch.randint(10, V, (B, P), device="cuda", generator=g),
+        "prompt_ids": torch.randint(10, W1_VOCAB, (B, P), device="cuda", generator=g),
         "prompt_mask": torch.ones(B, P, device="cuda", dtype=torch.long),
-        "completion_ids": torch.randint(10, V, (B, length), device="cuda", generator=g),
+        "completion_ids": torch.randint(10, W1_VOCAB, (B, length), device="cuda", generator=g),
         "completion_mask": torch.ones(B, length, device="cuda", dtype=torch.long),
         "advantages": torch.randn(B, device="cuda", generator=g),
         "num_items_in_batch": torch.tensor(float(B * length), device="cuda"),
@@ -90,7 +89,20 @@ def reference_logps(trainer, inputs) -> tuple[torch.Tensor, float]:
     return logps, torch.cuda.max_memory_allocated() / 2**30
 
 
-def measure(trainer, length: int, beta: float) -> dict:
+def step_attention(trainer, cudnn_sdpa: str):
+    """The SDPA backends of the measured step: slimrl's training step avoids cuDNN's (`training_attention`), unless
+    --cudnn-sdpa allow; TRL's keeps whatever torch picks, as its own training step does."""
+    import contextlib
+
+    import slimrl
+    from slimrl.ops.attention_backends import training_attention
+
+    if isinstance(trainer, slimrl.GRPOTrainer) and cudnn_sdpa == "as-trainer":
+        return training_attention()
+    return contextlib.nullcontext()
+
+
+def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer") -> dict:
     model = trainer.model
     inputs = make_inputs(length)
     result = {}
@@ -100,11 +112,11 @@ def measure(trainer, length: int, beta: float) -> dict:
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = trainer.compute_loss(model, dict(inputs))
-        loss.backward()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        start = sync_time()
+        with step_attention(trainer, cudnn_sdpa):
+            loss = trainer.compute_loss(model, dict(inputs))
+            loss.backward()
+        seconds = sync_time() - start
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
     result.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), s=round(seconds, 3),
                   loss=loss.item(), grad_norm=torch.stack(grads).sum().sqrt().item(),
@@ -115,7 +127,7 @@ def measure(trainer, length: int, beta: float) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("lengths", nargs="*", type=int, default=[1024, 4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--out", default="bench_out")
@@ -123,54 +135,72 @@ def main() -> None:
     parser.add_argument("--trainers", default="trl,slimrl")
     parser.add_argument("--skip-trl-above", type=int, default=32768, help="TRL does not fit beyond this in 80 GB")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--cudnn-sdpa", choices=("as-trainer", "allow"), default="as-trainer",
+                        help="as-trainer: slimrl's step runs with cuDNN's SDPA off, as its training_step does; allow: "
+                        "leave torch's choice (how the figures before the cuDNN NaN fix were measured)")  # fmt: skip
     parser.add_argument(
         "--variants",
         default="",
         help="slimrl settings to compare, e.g. '8/8192/1;8/0/0' = "
         "num_chunks/mlp_tile_tokens/offload (0 or 1); each is measured as slimrl[variant]",
     )
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import peft
-    import transformers
-    import trl
+    return parser.parse_args(argv)
 
-    report = {"workload": "W1", "beta": args.beta, "gpu": torch.cuda.get_device_name(),
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                           "trl": trl.__version__, "peft": peft.__version__}, "results": {}}  # fmt: skip
-    model = build_model()
-    report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    path = out / f"grpo_memory{args.tag}.json"
+
+def planned_runs(args) -> list[tuple[str, dict | None]]:
+    """(name, slimrl settings or None) per run: the trainers asked for, then each --variants spec."""
     runs = [(kind, None) for kind in args.trainers.split(",")]  # TRL first: slimrl installs its savers on the model
     for spec in filter(None, args.variants.split(";")):
         chunks, tile, offload = spec.split("/")
         variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
                    "offload_checkpoints": offload == "1"}  # fmt: skip
         runs.append((f"slimrl[{spec}]", variant))
-    for kind, variant in runs:
-        if variant is not None and not variant["offload_checkpoints"]:
-            from slimrl.models.checkpointing import disable_offloaded_checkpointing
+    return runs
 
-            disable_offloaded_checkpointing(model)
-        trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, variant)
-        for length in args.lengths:
-            if kind == "trl" and length > args.skip_trl_above:
-                report["results"][f"{kind}_L{length}"] = "skipped (beyond 80 GB in the anchor)"
-                continue
-            try:
-                report["results"][f"{kind}_L{length}"] = measure(trainer, length, args.beta)
-            except torch.OutOfMemoryError:
-                report["results"][f"{kind}_L{length}"] = "OOM"
-            gc.collect()
-            torch.cuda.empty_cache()
-            print(json.dumps({f"{kind}_L{length}": report["results"][f"{kind}_L{length}"]}), flush=True)
-            path.write_text(json.dumps(report, indent=2))
-        if "ref" in getattr(model, "peft_config", {}):
-            model.delete_adapter("ref")  # TRL's frozen copy of the initial adapter, made when beta > 0
-        del trainer
+
+def run_lengths(kind: str, variant: dict | None, model, args, report: dict, path: Path) -> None:
+    """One trainer (or slimrl variant) on the model at every length, each result saved as it comes."""
+    if variant is not None and not variant["offload_checkpoints"]:
+        from slimrl.models.checkpointing import disable_offloaded_checkpointing
+
+        disable_offloaded_checkpointing(model)
+    trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, variant)
+    for length in args.lengths:
+        key = f"{kind}_L{length}"
+        if kind == "trl" and length > args.skip_trl_above:
+            report["results"][key] = "skipped (beyond 80 GB in the anchor)"
+            continue
+        try:
+            report["results"][key] = measure(trainer, length, args.beta, args.cudnn_sdpa)
+        except torch.OutOfMemoryError:
+            report["results"][key] = "OOM"
         gc.collect()
         torch.cuda.empty_cache()
+        print(json.dumps({key: report["results"][key]}), flush=True)
+        path.write_text(json.dumps(report, indent=2))
+    if "ref" in getattr(model, "peft_config", {}):
+        model.delete_adapter("ref")  # TRL's frozen copy of the initial adapter, made when beta > 0
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import peft
+    import transformers
+    import trl
+
+    report = {"workload": "W1", "beta": args.beta, "cudnn_sdpa": args.cudnn_sdpa, "gpu": torch.cuda.get_device_name(),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "trl": trl.__version__, "peft": peft.__version__}, "results": {}}  # fmt: skip
+    model = build_model()
+    report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    path = out / f"grpo_memory{args.tag}.json"
+    for kind, variant in planned_runs(args):
+        run_lengths(kind, variant, model, args, report, path)
     path.write_text(json.dumps(report, indent=2))
     try:
         plot(report, out / f"grpo_memory{args.tag}.png")

@@ -57,9 +57,19 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # a test loads this file by path
 import torch  # noqa: E402
-from common import Report, default_output, environment, markdown_table, mean, median, rounded  # noqa: E402
+from common import (  # noqa: E402
+    W1_LORA_RANK,
+    W1_VOCAB,
+    Report,
+    default_output,
+    environment,
+    markdown_table,
+    mean,
+    median,
+    rounded,
+    w1_model,
+)
 
-V = 151936
 REAL_MODEL = "SmolLM2-135M-Instruct"
 SIDES = ("slimrl", "trl")  # slimrl first: its steps are short, so a run cut off by a time limit still has them
 PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
@@ -110,28 +120,18 @@ def build_real_model(tiny: bool, device: str, seed: int, context: int):
 
 
 def build_w1_model(tiny: bool, device: str, seed: int = 0, context: int = 32768):
-    """W1's model with its LoRA adapter (or a 2-layer Qwen2 for --tiny), freshly initialised from `seed`; `context`
-    is the longest prompt + completion it must take."""
+    """W1's model with its LoRA adapter (bench/common.py), or for --tiny slimrl.testing's 2-layer Qwen2 (the testing
+    tokenizer's vocabulary, its EOS) with LoRA r=8; freshly initialised from `seed`, lora_A drawn right after
+    reseeding, so both sides get the same adapter. `context` is the longest prompt + completion it must take."""
+    if not tiny:
+        return w1_model(device=device, seed=seed, context=context)  # EOS unset: the tokenizer's is the only stop
     from peft import LoraConfig, get_peft_model
 
-    if tiny:
-        from slimrl.testing import tiny_model
+    from slimrl.testing import tiny_model
 
-        model = tiny_model("qwen2", seed=seed, tie_word_embeddings=True, max_position_embeddings=max(512, context))
-        model = model.to(device)
-        rank = 8
-    else:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        config = Qwen2Config(vocab_size=V, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                             num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=max(32768, context),
-                             tie_word_embeddings=True)  # fmt: skip
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        model.generation_config.eos_token_id = None  # the tokenizer's EOS is the only stop token, as for TRL
-        rank = 64
-    lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = tiny_model("qwen2", seed=seed, tie_word_embeddings=True, max_position_embeddings=max(512, context))
+    model = model.to(device)
+    lora = LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     torch.manual_seed(seed)  # peft draws lora_A from the global generator: the same adapter for both sides
     return get_peft_model(model, lora)
 
@@ -262,9 +262,7 @@ def engine_config(trainer) -> dict | None:
     engine = rollout_engine(trainer)
     if engine is None:
         return None
-    return {"grouped_decode": getattr(engine, "grouped_decode", None), "tf32_adapters": getattr(engine, "tf32", None),
-            "deterministic": getattr(engine, "deterministic", None), "cuda_graphs": getattr(engine, "use_graphs", None),
-            "compile": getattr(engine, "use_compile", None)}  # fmt: skip
+    return engine.describe()
 
 
 def offloaded_checkpointing(model) -> bool | None:
@@ -445,8 +443,8 @@ def settings_record(args, data: dict, cuda: bool) -> dict:
 
         tokenizer = data["tokenizer"]
         lengths = [prompt_length(tokenizer, p) for p in data["dataset"]["prompt"]]
-        record = {"model": "tiny qwen2" if args.tiny else "W1", "lora": {"r": 8 if args.tiny else 64},
-                  "model_vocab": TINY_VOCAB if args.tiny else V, "tokenizer_vocab": len(tokenizer),
+        record = {"model": "tiny qwen2" if args.tiny else "W1", "lora": {"r": 8 if args.tiny else W1_LORA_RANK},
+                  "model_vocab": TINY_VOCAB if args.tiny else W1_VOCAB, "tokenizer_vocab": len(tokenizer),
                   "prompt_tokens": args.prompt_tokens,
                   "prompt_tokens_min_max": [min(lengths), max(lengths)]}  # fmt: skip
     record.update(prompts_per_step=1, num_generations=8, completion_length=args.completion_length, temperature=1.0,
@@ -499,7 +497,7 @@ def build_data(args) -> dict:
         return real_data(rows, args.seed)
     from slimrl.testing import TINY_VOCAB
 
-    tokenizer = offline_tokenizer(TINY_VOCAB if args.tiny else V)
+    tokenizer = offline_tokenizer(TINY_VOCAB if args.tiny else W1_VOCAB)
     dataset = build_dataset(tokenizer, rows, args.prompt_tokens, seed=args.seed)
     return {"tokenizer": tokenizer, "dataset": dataset, "rewards": reward_functions(args.completion_length)}
 

@@ -17,25 +17,17 @@ import argparse
 import json
 import math
 import shutil
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # a test loads this file by path
+import torch  # noqa: E402
+from common import sync_time, w1_config  # noqa: E402
 
 GIB = 2**30
-
-
-def w1_config(tiny: bool):
-    from transformers import Qwen2Config
-
-    if tiny:
-        shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2)  # fmt: skip
-    else:
-        shape = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                     num_attention_heads=12, num_key_value_heads=2)  # fmt: skip
-    return Qwen2Config(**shape, max_position_embeddings=32768, tie_word_embeddings=True, pad_token_id=0, eos_token_id=3)
 
 
 def save_random_model(path: Path, tiny: bool, device: str) -> None:
@@ -46,7 +38,8 @@ def save_random_model(path: Path, tiny: bool, device: str) -> None:
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(w1_config(tiny), dtype=torch.bfloat16)
+        # the tiny tokenizer's pad and EOS ids, so the saved checkpoint loads with its tokenizer as a real one would
+        model = AutoModelForCausalLM.from_config(w1_config(tiny, pad_token_id=0, eos_token_id=3), dtype=torch.bfloat16)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     del model
@@ -62,11 +55,6 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def train_steps(model, args, device: str, vocab: int) -> dict:
     """A few AdamW steps of causal-LM loss on random tokens: losses, seconds per step, peak GiB."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -76,13 +64,12 @@ def train_steps(model, args, device: str, vocab: int) -> dict:
     losses, step_times = [], []
     for _ in range(args.steps):
         ids = torch.randint(10, vocab, (args.batch, args.seq_len), generator=generator).to(device)
-        start = time.perf_counter()
+        start = sync_time()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        step_times.append(round(time.perf_counter() - start, 3))
+        step_times.append(round(sync_time() - start, 3))
         losses.append(round(loss.item(), 4))
     return {"trainable_params": sum(p.numel() for p in trainable), "losses": losses, "step_s": step_times,
             "peak_gib_train": peak_gib(device), "losses_finite": all(map(math.isfinite, losses))}  # fmt: skip
@@ -94,10 +81,9 @@ def run_baseline(base_dir: Path, args, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     reset_peak(device)
-    start = time.perf_counter()
+    start = sync_time()
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16, device_map={"": device})
-    sync(device)
-    result = {"load_s": round(time.perf_counter() - start, 2), "peak_gib_load": peak_gib(device),
+    result = {"load_s": round(sync_time() - start, 2), "peak_gib_load": peak_gib(device),
               "allocated_gib_after_load": allocated_gib(device)}  # fmt: skip
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=targets))
@@ -115,11 +101,10 @@ def run_slimrl(base_dir: Path, merged_dir: Path, args, device: str) -> dict:
     from slimrl import FastLanguageModel
 
     reset_peak(device)
-    start = time.perf_counter()
+    start = sync_time()
     model, tokenizer = FastLanguageModel.from_pretrained(str(base_dir), max_seq_length=args.seq_len,
                                                          load_in_4bit=True)  # fmt: skip
-    sync(device)
-    result = {"load_s": round(time.perf_counter() - start, 2), "peak_gib_load": peak_gib(device),
+    result = {"load_s": round(sync_time() - start, 2), "peak_gib_load": peak_gib(device),
               "allocated_gib_after_load": allocated_gib(device),
               "compute_dtype": str(model.model.layers[0].mlp.down_proj.compute_dtype)}  # fmt: skip
     model = FastLanguageModel.get_peft_model(model, r=args.rank, lora_alpha=args.rank)
@@ -128,10 +113,9 @@ def run_slimrl(base_dir: Path, merged_dir: Path, args, device: str) -> dict:
 
     FastLanguageModel.for_inference(model)
     reset_peak(device)
-    start = time.perf_counter()
+    start = sync_time()
     model.save_pretrained_merged(merged_dir, tokenizer, save_method="merged_16bit")
-    sync(device)
-    result.update(merge_s=round(time.perf_counter() - start, 2), peak_gib_merge=peak_gib(device),
+    result.update(merge_s=round(sync_time() - start, 2), peak_gib_merge=peak_gib(device),
                   merged_files=sorted(p.name for p in merged_dir.iterdir()))  # fmt: skip
 
     # the reloaded merged model computes what the 4-bit adapter model computes, up to NF4-vs-bf16 rounding
@@ -187,9 +171,9 @@ def main() -> None:
         (args.out / "load_4bit.json").write_text(json.dumps(report, indent=2) + "\n")
 
     try:
-        start = time.perf_counter()
+        start = sync_time()
         save_random_model(base_dir, args.tiny, device)
-        report["build_and_save_s"] = round(time.perf_counter() - start, 2)
+        report["build_and_save_s"] = round(sync_time() - start, 2)
         if device == "cuda":
             torch.cuda.empty_cache()
         report["slimrl_4bit"] = run_slimrl(base_dir, merged_dir, args, device)

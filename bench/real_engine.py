@@ -220,9 +220,9 @@ def delta_stats(generated: list[list[float]], reference: list[list[float]]) -> d
 
 
 def engine_settings(engine) -> dict:
-    """The engine's public settings."""
-    names = ("use_graphs", "use_compile", "tf32", "grouped_decode", "deterministic", "max_seq_len")
-    return {name: getattr(engine, name, None) for name in names}
+    """The engine's resolved settings and shapes (`RolloutEngine.describe()`: cuda_graphs, compile, tf32_adapters,
+    the Triton kernels in use, deterministic, kernel choices, max_seq_len, ...)."""
+    return engine.describe()
 
 
 def adapter_effect(model, tokenizer, prompts, max_new_tokens: int, with_adapter: list[list[int]]) -> dict:
@@ -372,9 +372,7 @@ def main(argv: list[str] | None = None) -> Report:
         report["dtypes"] = rounded(report["dtypes"], 8)
         report["table"] = table(report)
         print(report["table"])
-    for problem in report["problems"]:
-        print(f"PROBLEM: {problem}")
-    print(f"wrote {report.path}")
+    report.print_outcome()
     return report
 
 

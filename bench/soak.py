@@ -391,9 +391,7 @@ def main(argv: list[str] | None = None) -> Report:
         print(f"\nsummary: {counts}")
         for check in report["summary"]["same_seed"]:
             print(f"seed {check['seed']} (runs {check['runs']}): identical curves: {check['identical_curves']}")
-    for problem in report["problems"]:
-        print(f"PROBLEM: {problem}")
-    print(f"wrote {report.path}")
+    report.print_outcome()
     return report
 
 

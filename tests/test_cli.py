@@ -12,6 +12,11 @@ TINY_DEMO = ["demo", "--model", "tiny", "--steps", "2", "--eval-size", "4", "--n
              "--max-completion-length", "8", "--device", "cpu"]  # fmt: skip
 
 
+def accuracy_line(label: str, scores: dict) -> str:
+    """The demo's printed line for held-out scores (`label` "before:" or "after: ")."""
+    return f"held-out accuracy {label} {scores['accuracy']:.1%} (in the requested format: {scores['in_format']:.1%})"
+
+
 def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "demo"
     code = main([*TINY_DEMO, "--output-dir", str(out)])
@@ -25,7 +30,11 @@ def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):
     assert [entry["step"] for entry in metrics["history"]] == [1, 2]
     for entry in metrics["history"]:
         assert {"reward", "rewards/exact_answer_reward/mean", "rewards/format_reward/mean", "loss"} <= entry.keys()
-    assert 0.0 <= metrics["accuracy_after"]["accuracy"] <= 1.0 and metrics["settings"]["steps"] == 2
+    assert metrics["settings"]["steps"] == 2
+    for when, label in (("before", "before:"), ("after", "after: ")):  # what was printed is what was saved
+        scores = metrics[f"accuracy_{when}"]
+        assert {scores["accuracy"] * 4, scores["in_format"] * 4} <= {0.0, 1.0, 2.0, 3.0, 4.0}  # k of 4 problems
+        assert accuracy_line(label, scores) in printed, accuracy_line(label, scores)
     for entry in metrics["history"]:  # the step timer's split of each step
         parts = [entry["generation_s"], entry["reward_s"], entry["training_s"]]
         assert parts[0] > 0 and parts[2] > 0 and parts[1] >= 0, entry
@@ -82,8 +91,11 @@ def test_a_nonfinite_step_stops_the_demo_which_still_evaluates_saves_and_exits_1
     assert metrics["nonfinite_error"]["step"] == 2 and "not finite" in metrics["nonfinite_error"]["message"]
     assert metrics["nonfinite_error"]["during"] == "training" and metrics["adapter_saved"] is True
     assert [entry["step"] for entry in metrics["history"]] == [1]  # the step before it is kept
-    assert 0.0 <= metrics["accuracy_after"]["accuracy"] <= 1.0 and (out / "adapter" / "adapter_config.json").is_file()
-    assert "training stopped at step 2: NonFiniteError" in capsys.readouterr().out
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    after = metrics["accuracy_after"]  # evaluated after the stop, and printed as saved
+    printed = capsys.readouterr().out
+    assert accuracy_line("after: ", after) in printed
+    assert "training stopped at step 2: NonFiniteError" in printed
 
 
 def test_on_nonfinite_skip_skips_the_step_and_records_it(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The demo's parts: settings checks, greedy evaluation, the per-step line, the plot."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def test_cpu_threads_follow_omp_num_threads_when_it_is_set(monkeypatch):
         torch.set_num_threads(1)
         assert set_cpu_threads() == 1  # left alone
         monkeypatch.delenv("OMP_NUM_THREADS")
-        assert set_cpu_threads() >= 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        assert set_cpu_threads() == cores == torch.get_num_threads()  # every core this process may run on
     finally:
         torch.set_num_threads(before)
 
@@ -83,13 +85,32 @@ def test_plot_history_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_evaluate_scores_greedy_replies_and_leaves_the_model_in_training_mode(tokenizer):
+def test_evaluate_scores_greedy_replies_and_leaves_the_model_in_training_mode(tokenizer, monkeypatch):
     from slimrl import FastLanguageModel
     from slimrl.testing import tiny_model
 
     model = FastLanguageModel.get_peft_model(tiny_model("llama"), r=4, lora_alpha=8, use_gradient_checkpointing=False)
-    scores = evaluate(model, tokenizer, arithmetic_dataset(5, seed=0, split="eval"), max_new_tokens=4, batch_size=2)
-    assert set(scores) == {"accuracy", "in_format"} and all(0.0 <= v <= 1.0 for v in scores.values())
+    dataset = arithmetic_dataset(5, seed=0, split="eval")
+    # scripted replies instead of a tiny model's noise: right and in format (rows 0-2), wrong but in format (row 3),
+    # right but rambling over two lines (row 4)
+    answers = dataset["answer"]
+    replies = [f"x = {a}" for a in answers[:3]] + ["x = 1234567", f"Let me think.\nIt is {answers[4]}"]
+    prompts_seen = []
+
+    def generate(input_ids, attention_mask, max_new_tokens, do_sample, pad_token_id):
+        assert not do_sample and not model.training  # greedy, in eval mode
+        prompts_seen.append(len(input_ids))
+        start = sum(prompts_seen[:-1])
+        rows = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in replies[start : start + len(input_ids)]]
+        width = max(map(len, rows))
+        new = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows])
+        return torch.cat([input_ids, new], 1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    scores = evaluate(model, tokenizer, dataset, max_new_tokens=4, batch_size=2)
+    assert prompts_seen == [2, 2, 1]  # batches of 2
+    # right: rows 0-2 and 4; one line ending in a number: rows 0-3
+    assert scores == {"accuracy": 4 / 5, "in_format": 4 / 5}
     assert model.training
 
 

@@ -17,6 +17,9 @@ TOLERANCES = {
     # absolute noise of a few 1e-6 where terms cancel
     "fp32_sum": (1e-5, 1e-5),
     "bf16": (1.6e-2, 1e-2),  # bf16 keeps 8 mantissa bits: one rounding step is 2**-8
+    # a bf16 sum over a few dozen O(1) terms (RMSNorm's weight gradient over the tokens) whose terms were rounded at
+    # different points: the absolute noise grows like sqrt(terms) * 2**-8
+    "bf16_sum": (1.6e-2, 3e-2),
     "fp16": (2e-3, 1e-3),  # fp16 keeps 11 mantissa bits
     "nf4": (2e-2, 2e-3),  # NF4 dequantisation on CPU and a reference matmul round differently
 }

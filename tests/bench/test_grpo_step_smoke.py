@@ -22,10 +22,6 @@ def grpo_step():
     return module
 
 
-def sign(x: float) -> int:
-    return (x > 0) - (x < 0)
-
-
 def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
     out = tmp_path / "w3.json"
     returned = grpo_step.main([str(out), "--tiny", "--steps", "2", "--trl-steps", "2"])
@@ -46,7 +42,7 @@ def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
             assert math.isfinite(step["loss"]) and step["completion_mean_length"] > 0
         assert side["mean_after_first"]["step_s"] > 0 and side["mean_all"]["step_s"] > 0
     first = [report["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl", "trl")]
-    assert sign(first[0]) == sign(first[1]), first  # same model, data and seed
+    assert first[0] == pytest.approx(first[1], abs=1e-5), first  # same model, data and seed: the same first loss
     assert set(report["speedup"]["mean_after_first"]) == {"step_s", "generation_s", "reward_s", "training_s"}
 
 
@@ -69,11 +65,11 @@ def test_a_side_that_raises_is_recorded_and_the_other_still_runs(grpo_step, tmp_
 def test_offline_tokenizer_decodes_every_id_of_w1s_vocabulary(grpo_step):
     from slimrl.testing import tiny_tokenizer
 
-    tokenizer = grpo_step.offline_tokenizer(grpo_step.V)
-    assert len(tokenizer) == grpo_step.V
+    tokenizer = grpo_step.offline_tokenizer(grpo_step.W1_VOCAB)
+    assert len(tokenizer) == grpo_step.W1_VOCAB
     text = "<|im_start|>user\nWhat is 12 - 5?<|im_end|>\n"
     assert tokenizer(text)["input_ids"] == tiny_tokenizer()(text)["input_ids"]  # prompts: the testing ids
-    assert all(tokenizer.decode([i]) for i in (260, 9000, 100_000, grpo_step.V - 1))  # the rest: text
+    assert all(tokenizer.decode([i]) for i in (260, 9000, 100_000, grpo_step.W1_VOCAB - 1))  # the rest: text
 
 
 def test_slimrl_engine_rollouts_are_recorded_as_such(grpo_step, tmp_path):

@@ -33,9 +33,12 @@ def test_tiny_runs_side_by_side_report_curves_times_and_same_seed_determinism(so
     assert set(saved["versions"]) >= {"torch", "transformers", "peft", "trl", "triton"} and saved["gpu"] == "cpu"
     for run in saved["runs"]:
         assert run["status"] == "ok" and run["exit_code"] == 0 and run["steps_done"] == 2, run
-        assert len(run["rewards"]) == 2 and run["reward_first5"] is not None
+        metrics = json.loads((Path(run["dir"]) / "metrics.json").read_text())  # what the demo run saved
+        assert run["rewards"] == [entry["reward"] for entry in metrics["history"]] and len(run["rewards"]) == 2
+        assert run["reward_first5"] == pytest.approx(sum(run["rewards"]) / 2)  # 2 steps: the mean of both
         assert run["generation_s"]["median"] > 0 and run["training_s"]["max"] >= run["training_s"]["median"] > 0
-        assert 0 <= run["accuracy_before"] <= 1 and 0 <= run["accuracy_after"] <= 1
+        assert run["accuracy_before"] == metrics["accuracy_before"]["accuracy"]
+        assert run["accuracy_after"] == metrics["accuracy_after"]["accuracy"]
         assert run["completion_length_mean"] > 0 and run["nonfinite_event"] is False
         assert (Path(run["dir"]) / "metrics.json").is_file()
     assert saved["summary"]["runs"] == saved["summary"]["finished"] == 2 and saved["summary"]["failed"] == 0

@@ -6,11 +6,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from slimrl.models import checkpointing
 from slimrl.models.checkpointing import (
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
     is_offloaded_checkpointing,
+    offload_state,
 )
 from slimrl.testing import tiny_model
 from tests.tolerances import assert_close
@@ -48,12 +48,12 @@ def test_offloaded_gradients_equal_plain_checkpointing_and_none(arch, dropout):
     reference = loss_and_grads(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plain = loss_and_grads(model)
-    before, splits = checkpointing._Streams.offloaded, checkpointing._Streams.split_recomputes
-    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: MLP tiles of 5, 5, 5 and 1
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: MLP tiles of 5, 5, 5 and 1
+    assert offload_state(model) is state and (state.offloaded, state.split_recomputes) == (0, 0)
     offloaded = loss_and_grads(model)
-    assert checkpointing._Streams.offloaded - before == 2  # both decoder layers' inputs went through host memory
+    assert state.offloaded == 2  # both decoder layers' inputs went through host memory
     # without dropout the layers are recomputed attention first, then the MLP tile by tile; with dropout, whole
-    assert checkpointing._Streams.split_recomputes - splits == (2 if dropout == 0 else 0)
+    assert state.split_recomputes == (2 if dropout == 0 else 0)
     assert_same(reference, plain, "plain checkpointing")
     assert_same(reference, offloaded, "offloaded checkpointing")
 
@@ -67,19 +67,22 @@ def test_full_fine_tune_gets_input_gradients_through_offloaded_layers():
 
 def test_survives_a_later_gradient_checkpointing_enable_and_can_be_undone():
     model = lora_model()
-    enable_offloaded_checkpointing(model)
+    state = enable_offloaded_checkpointing(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as HF Trainer does
     layers = model.get_base_model().model.layers
-    assert all(layer._gradient_checkpointing_func is checkpointing.offloaded_checkpoint for layer in layers)
+    assert all(layer._gradient_checkpointing_func == state.checkpoint for layer in layers)
     base = model.get_base_model()
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x: Trainer's entry point, new keywords
         base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=1, offload=False)
-        assert all(layer._gradient_checkpointing_func is checkpointing.offloaded_checkpoint for layer in layers)
+        assert all(layer._gradient_checkpointing_func == state.checkpoint for layer in layers)
     assert is_offloaded_checkpointing(model)
     disable_offloaded_checkpointing(model)
-    assert not is_offloaded_checkpointing(model)
-    assert all(layer._gradient_checkpointing_func is not checkpointing.offloaded_checkpoint for layer in layers)
+    assert not is_offloaded_checkpointing(model) and offload_state(model) is None
+    assert all(layer._gradient_checkpointing_func != state.checkpoint for layer in layers)
     assert all(layer.gradient_checkpointing for layer in layers)
+    offloads = state.offloaded
+    loss_and_grads(model)
+    assert state.offloaded == offloads  # torch's checkpointing again: nothing goes through the old state
 
 
 def test_split_recompute_without_tiling_and_bad_tile_size():
@@ -93,16 +96,17 @@ def test_split_recompute_without_tiling_and_bad_tile_size():
 
 def test_eval_and_no_grad_forwards_do_not_offload():
     model = lora_model()
-    enable_offloaded_checkpointing(model)
-    before = checkpointing._Streams.offloaded
+    state = enable_offloaded_checkpointing(model)
+    model.train()
     with torch.no_grad():
         model(input_ids=IDS, attention_mask=MASK)
-    assert checkpointing._Streams.offloaded == before
+    assert state.offloaded == 0
+    loss_and_grads(model)
+    assert state.offloaded == 2  # the same model with grad: both layers offload
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory side-stream path needs CUDA")
-def test_cuda_offload_matches_plain_checkpointing(monkeypatch):
-    monkeypatch.setattr(checkpointing._Streams, "min_offload_bytes", 0)  # park even these tiny checkpoints
+def test_cuda_offload_matches_plain_checkpointing():
     model = lora_model().cuda()
     global IDS, MASK
     ids, mask = IDS, MASK
@@ -110,9 +114,44 @@ def test_cuda_offload_matches_plain_checkpointing(monkeypatch):
         IDS, MASK = ids.cuda(), mask.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain = loss_and_grads(model)
-        before = checkpointing._Streams.offloaded
-        enable_offloaded_checkpointing(model, mlp_tile_tokens=3)
+        state = enable_offloaded_checkpointing(model, mlp_tile_tokens=3, min_offload_bytes=0)  # park even these
         assert_same(plain, loss_and_grads(model), "CUDA offload")
-        assert checkpointing._Streams.offloaded - before == 2
+        assert state.offloaded == 2 and len(state.side) == 1  # both layers' inputs, copied on one side stream
     finally:
         IDS, MASK = ids, mask
+
+
+def mlp_call_tokens(model) -> list[int]:
+    """Record the token count of every MLP call of the model's decoder layers (a list filled as the model runs)."""
+    calls = []
+    for layer in model.get_base_model().model.layers:
+        layer.mlp.register_forward_hook(lambda module, args, output: calls.append(args[0].numel() // args[0].shape[-1]))
+    return calls
+
+
+def test_two_models_keep_their_own_tiles_and_counters():
+    tiled, whole = lora_model(), lora_model()
+    reference = loss_and_grads(lora_model())
+    tiled_state = enable_offloaded_checkpointing(tiled, mlp_tile_tokens=5)
+    whole_state = enable_offloaded_checkpointing(whole, mlp_tile_tokens=0)  # enabled last: it must not retile `tiled`
+    tiled_calls, whole_calls = mlp_call_tokens(tiled), mlp_call_tokens(whole)
+    assert_same(reference, loss_and_grads(tiled), "tiles of 5")
+    assert_same(reference, loss_and_grads(whole), "no tiles")
+    # 16 tokens per layer: tiles of 5, 5, 5, 1 in the gradient-free forward and again in the recompute, for 2 layers
+    assert tiled_calls == [5, 5, 5, 1] * 4
+    assert whole_calls == [16] * 4  # the whole sequence at once, forward and recompute, for 2 layers
+    assert (tiled_state.offloaded, tiled_state.split_recomputes) == (2, 2)
+    assert (whole_state.offloaded, whole_state.split_recomputes) == (2, 2)
+    assert offload_state(tiled) is tiled_state and offload_state(whole) is whole_state
+
+
+def test_a_deep_copy_gets_its_own_state_with_the_same_settings():
+    import copy
+
+    model = lora_model()
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=5)
+    twin = copy.deepcopy(model)
+    twin_state = offload_state(twin)
+    assert twin_state is not state and twin_state.mlp_tile_tokens == 5
+    loss_and_grads(twin)
+    assert (twin_state.offloaded, state.offloaded) == (2, 0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from slimrl import FastLanguageModel
-from slimrl.models import loader
+from slimrl.models import lora, modes
+from slimrl.models.unwrap import hf_model
 from slimrl.testing import tiny_model
 from tests.models.helpers import CONTEXT, PROMPT, PROMPT_MASK, save_tiny
 
@@ -19,18 +20,18 @@ def loaded(tmp_path, arch):
 
 
 def checkpointing_on(model) -> bool:
-    return loader._checkpointing_is_on(loader._hf_model(model))
+    return modes.checkpointing_is_on(hf_model(model))
 
 
 def embedding_hooks(model) -> int:
-    return len(loader._hf_model(model).get_input_embeddings()._forward_hooks)
+    return len(hf_model(model).get_input_embeddings()._forward_hooks)
 
 
 # -- targets ---------------------------------------------------------------------------------------------------------
 
 
 def test_lora_targets_are_the_seven_projections_found_by_name(arch):
-    assert loader.find_lora_targets(tiny_model(arch)) == list(loader.LLAMA_PROJECTIONS)
+    assert lora.find_lora_targets(tiny_model(arch)) == list(lora.LLAMA_PROJECTIONS)
 
 
 def test_lora_targets_error_lists_the_linear_layers_that_exist():
@@ -38,7 +39,7 @@ def test_lora_targets_error_lists_the_linear_layers_that_exist():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"No Llama-style projections.*named \['lm_head'\].*target_modules"):
-        loader.find_lora_targets(model)
+        lora.find_lora_targets(model)
 
 
 def test_a_model_with_some_projections_fused_gets_the_rest_and_a_warning(caplog):
@@ -46,8 +47,8 @@ def test_a_model_with_some_projections_fused_gets_the_rest_and_a_warning(caplog)
     for layer in model.model.layers:  # as Phi-3 does: one fused gate_up projection
         layer.mlp.gate_up_proj = layer.mlp.gate_proj
         del layer.mlp.gate_proj, layer.mlp.up_proj
-    with caplog.at_level("WARNING", logger="slimrl.models.loader"):
-        targets = loader.find_lora_targets(model)
+    with caplog.at_level("WARNING", logger="slimrl.models.lora"):
+        targets = lora.find_lora_targets(model)
     assert targets == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
     assert "no ['gate_proj', 'up_proj']" in caplog.text and "gate_up_proj" in caplog.text
 
@@ -57,7 +58,7 @@ def test_get_peft_model_adapts_all_projections_and_freezes_the_base(loaded):
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
-    assert {name.split(".")[-4] for name in trainable} == set(loader.LLAMA_PROJECTIONS)  # ...q_proj.lora_A.default.w
+    assert {name.split(".")[-4] for name in trainable} == set(lora.LLAMA_PROJECTIONS)  # ...q_proj.lora_A.default.w
     assert model.training and not model.config.use_cache and checkpointing_on(model)
 
 
@@ -170,7 +171,7 @@ def test_decoder_layers_are_really_recomputed_after_get_peft_model(loaded, monke
     """The checkpoint function runs once per decoder layer in a training forward (it is skipped in eval mode)."""
     model = FastLanguageModel.get_peft_model(loaded[0], r=4, use_gradient_checkpointing=mode)
     calls = []
-    for layer in loader._hf_model(model).model.layers:
+    for layer in hf_model(model).model.layers:
         original = layer._gradient_checkpointing_func
         layer._gradient_checkpointing_func = lambda *a, _f=original, **k: calls.append(1) or _f(*a, **k)
     model(input_ids=PROMPT, attention_mask=PROMPT_MASK, labels=PROMPT).loss.backward()

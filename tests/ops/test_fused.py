@@ -1,4 +1,6 @@
-"""Fused SwiGLU product and RMSNorm: the compiled fast path against the plain reference, forward and backward."""
+"""Fused SwiGLU product and RMSNorm: the library's compiled fast path (`fused.silu_mul`, `fused.rms_norm`, run on the
+CPU through inductor's C++ backend) against the plain reference, forward and backward, in fp32 and bf16; and the
+model-level dispatch (`mlp_forward`, `norm_forward`) on and off the fast path."""
 
 import pytest
 import torch
@@ -8,56 +10,78 @@ from slimrl.testing import tiny_model
 from tests.tolerances import assert_close
 
 
-def compare(reference, fast, *inputs):
-    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
-    expected = reference(*leaves)
-    expected.backward(torch.ones_like(expected))
-    expected_grads = [x.grad.clone() for x in leaves if x.requires_grad]
-    fast_leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
-    actual = fast(*fast_leaves)
-    actual.backward(torch.ones_like(actual))
-    assert_close(actual, expected, name="output")
-    for got, want in zip([x.grad for x in fast_leaves if x.requires_grad], expected_grads, strict=True):
-        assert_close(got, want, name="grad")
+@pytest.fixture
+def fast_path_on_cpu(monkeypatch):
+    """The library's compiled path for CPU tensors, compiled afresh for the test (and not left behind for others)."""
+    monkeypatch.setattr(fused, "FAST_PATH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fused, "_compiled", {})
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    # the CUDA fast path is the compiled reference; compiling it here on the CPU checks the same graph
-    return {
-        "silu_mul": torch.compile(fused.silu_mul_reference, dynamic=True, fullgraph=True),
-        "rms_norm": torch.compile(fused.rms_norm_reference, dynamic=True, fullgraph=True),
-    }
+def compare(reference, fast, inputs, kind: str, grad_kinds: dict[int, str] | None = None) -> None:
+    """Output and the gradient of every floating-point input, fast against reference, for a random upstream grad
+    (`grad_kinds`: another tolerance for the gradient of some inputs, by position)."""
+    expected_leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    actual_leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    expected, actual = reference(*expected_leaves), fast(*actual_leaves)
+    upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7)).to(expected.dtype)
+    expected.backward(upstream)
+    actual.backward(upstream)
+    assert actual.dtype == expected.dtype
+    assert_close(actual, expected, kind, name="output")
+    for i, (got, want) in enumerate(zip(actual_leaves, expected_leaves, strict=True)):
+        if want.requires_grad:
+            assert_close(got.grad, want.grad, (grad_kinds or {}).get(i, kind), name=f"grad of input {i}")
 
 
-@pytest.mark.parametrize("shape", [(5, 123), (2, 7, 64)])
-def test_compiled_silu_mul_matches_reference(compiled, shape):
+# odd shapes (no dimension a multiple of a vector width) and a 3-d batch
+SHAPES = [(5, 123), (2, 7, 64)]
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_silu_mul_fast_path_matches_the_reference(fast_path_on_cpu, shape, dtype, kind):
     g = torch.Generator().manual_seed(0)
-    compare(
-        fused.silu_mul_reference, compiled["silu_mul"], torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    )
+    gate, up = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    compare(fused.silu_mul_reference, fused.silu_mul, [gate, up], kind)
+    assert "silu_mul" in fused._compiled  # the library's compiled path ran, not the reference
 
 
-def test_compiled_rms_norm_matches_reference_and_the_model_norm(compiled):
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_fast_path_matches_the_reference(fast_path_on_cpu, shape, dtype, kind):
     g = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(3, 11, 64, generator=g), 1 + 0.1 * torch.randn(64, generator=g)
-    compare(lambda a, w: fused.rms_norm_reference(a, w, 1e-6), lambda a, w: compiled["rms_norm"](a, w, 1e-6), x, weight)
-    norm = tiny_model().model.layers[0].input_layernorm
-    assert fused.fusable_norm(norm)
-    assert_close(fused.norm_forward(norm, x), norm(x), name="model RMSNorm")
+    x = (3 * torch.randn(shape, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    weight_grad = {torch.float32: "fp32", torch.bfloat16: "bf16_sum"}[dtype]  # a sum over all tokens
+    compare(lambda a, w: fused.rms_norm_reference(a, w, 1e-6), lambda a, w: fused.rms_norm(a, w, 1e-6), [x, weight],
+            kind, grad_kinds={1: weight_grad})  # fmt: skip
+    assert "rms_norm" in fused._compiled
 
 
-def test_mlp_forward_equals_the_model_mlp(arch):
-    mlp = tiny_model(arch).model.layers[0].mlp
-    assert fused.fusable_mlp(mlp)
-    x = torch.randn(2, 5, 64)
-    assert_close(fused.mlp_forward(mlp, x), mlp(x), name="MLP")
+def test_cpu_tensors_take_the_reference_by_default(monkeypatch):
+    monkeypatch.setattr(fused, "_compiled", {})
+    x = torch.randn(3, 8)
+    assert torch.equal(fused.silu_mul(x, x), fused.silu_mul_reference(x, x))
+    assert torch.equal(fused.rms_norm(x, torch.ones(8), 1e-6), fused.rms_norm_reference(x, torch.ones(8), 1e-6))
+    assert fused._compiled == {}  # nothing was compiled for a CPU tensor
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast_path"])
+def test_norm_and_mlp_forward_equal_the_models_own_modules(monkeypatch, arch, fast):
+    monkeypatch.setattr(fused, "_compiled", {})
+    if fast:
+        monkeypatch.setattr(fused, "FAST_PATH_DEVICES", ("cuda", "cpu"))
+    layer = tiny_model(arch).model.layers[0]
+    assert fused.fusable_norm(layer.input_layernorm) and fused.fusable_mlp(layer.mlp)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    assert_close(fused.norm_forward(layer.input_layernorm, x), layer.input_layernorm(x), name="model RMSNorm")
+    assert_close(fused.mlp_forward(layer.mlp, x), layer.mlp(x), name="model MLP")
+    assert sorted(fused._compiled) == (["rms_norm", "silu_mul"] if fast else [])
 
 
 def test_unknown_modules_use_their_own_forward():
     linear = torch.nn.Linear(4, 4)
     assert not fused.fusable_mlp(linear) and not fused.fusable_norm(linear)
     x = torch.randn(2, 4)
-    assert torch.equal(fused.mlp_forward(linear, x), linear(x)) and torch.equal(
-        fused.norm_forward(linear, x), linear(x)
-    )
+    assert torch.equal(fused.mlp_forward(linear, x), linear(x))
+    assert torch.equal(fused.norm_forward(linear, x), linear(x))

@@ -14,6 +14,8 @@ layers with active dropout, whose masks depend on the tiling) are recomputed who
 
 It plugs into transformers' own mechanism (`GradientCheckpointingLayer` calls `self._gradient_checkpointing_func`),
 so the model code is untouched. On a CPU the same path runs with plain copies, which is what the tests exercise.
+Each model keeps its own settings, side streams and counters (`OffloadState`, attached by
+`enable_offloaded_checkpointing`): nothing here is process-global, so two models never see each other's tiles.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimrl.models.unwrap import hf_model
 from slimrl.ops.fused import mlp_forward, norm_forward
 
-_MARK = "_slimrl_offloaded_checkpointing"
+_STATE = "_slimrl_offload"  # the attribute of the transformers model that holds its OffloadState
 SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 DEFAULT_MLP_TILE_TOKENS = 8192
 MIN_OFFLOAD_BYTES = 32 * 2**20
@@ -49,48 +52,68 @@ class _Stash:
     rng_state: tuple | None = field(default=None, repr=False)
 
 
-class _Streams:
-    """The side stream the copies run on, per device; the last stash, to chain a pass's layers for prefetching."""
+class OffloadState:
+    """One model's offloaded checkpointing: its settings, the side stream its copies run on (per device), the last
+    parked stash (to chain a forward pass's layers for prefetching) and two counters.
 
-    side: dict[torch.device, torch.cuda.Stream] = {}
-    last: _Stash | None = None
-    offloaded = 0  # tensors parked so far (tests read it to know the copy path ran)
-    split_recomputes = 0  # layers recomputed attention-then-MLP-tiles (tests read it)
-    mlp_tile_tokens = DEFAULT_MLP_TILE_TOKENS
-    # Checkpoints smaller than this stay on the GPU: 28 of them cost under 1 GiB, and their copies would cost more
-    # time than they save memory.
-    min_offload_bytes = MIN_OFFLOAD_BYTES
+    `enable_offloaded_checkpointing` attaches one to the model (`offload_state(model)` returns it) and installs its
+    bound `checkpoint` as the model's checkpoint function, so two models never share settings, streams or a chain of
+    stashes. A deep copy of a model gets a fresh state with the same settings.
+    """
+
+    def __init__(self, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, min_offload_bytes: int = MIN_OFFLOAD_BYTES):
+        self.mlp_tile_tokens = mlp_tile_tokens  # MLP tile of the split recompute; 0: the whole sequence at once
+        # Checkpoints smaller than this stay on the GPU: 28 of them cost under 1 GiB, and their copies would cost more
+        # time than they save memory.
+        self.min_offload_bytes = min_offload_bytes
+        self.offloaded = 0  # tensors parked in host memory so far (tests read it to know the copy path ran)
+        self.split_recomputes = 0  # layers recomputed attention-then-MLP-tiles so far (tests read it)
+        self.side: dict[torch.device, torch.cuda.Stream] = {}
+        self.last: _Stash | None = None
+
+    def __deepcopy__(self, memo) -> OffloadState:
+        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes)
+
+    def checkpoint(self, function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
+        """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
+        if kwargs:
+            function = _bind(function, kwargs)
+        if not torch.is_tensor(hidden_states) or not torch.is_grad_enabled():
+            return function(hidden_states, *args)
+        # A grad-requiring anchor makes autograd call backward even when the hidden states do not require grad (a
+        # frozen embedding under LoRA), which is what lets the recomputed layer's LoRA weights receive their gradients.
+        anchor = torch.empty(0, device=hidden_states.device, requires_grad=True)
+        return _OffloadedCheckpoint.apply(self, function, preserve_rng_state, hidden_states, anchor, *args)
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.side:
+            self.side[device] = torch.cuda.Stream(device=device)
+        return self.side[device]
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _Streams.side:
-        _Streams.side[device] = torch.cuda.Stream(device=device)
-    return _Streams.side[device]
-
-
-def _park(tensor: torch.Tensor) -> _Stash:
+def _park(state: OffloadState, tensor: torch.Tensor) -> _Stash:
     """Copy `tensor` to host memory: on CUDA asynchronously into pinned memory on the side stream."""
-    if tensor.device.type == "cuda" and tensor.nbytes < _Streams.min_offload_bytes:
+    if tensor.device.type == "cuda" and tensor.nbytes < state.min_offload_bytes:
         return _Stash(host=None, device=tensor.device, requires_grad=tensor.requires_grad, on_device=tensor.detach())
     if tensor.device.type == "cuda":
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        side = _side_stream(tensor.device)
+        side = state.side_stream(tensor.device)
         side.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor must be computed before it is copied
         with torch.cuda.stream(side):
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(side)  # keep the GPU memory alive until the copy has read it
     else:
         host = tensor.detach().to("cpu", copy=True)
-    _Streams.offloaded += 1
+    state.offloaded += 1
     return _Stash(host=host, device=tensor.device, requires_grad=tensor.requires_grad)
 
 
-def _fetch(stash: _Stash) -> None:
+def _fetch(state: OffloadState, stash: _Stash) -> None:
     """Start copying a stash back to its device (no wait): the recompute waits on `stash.ready` when it needs it."""
     if stash.on_device is not None:
         return
     if stash.device.type == "cuda":
-        side = _side_stream(stash.device)
+        side = state.side_stream(stash.device)
         with torch.cuda.stream(side):
             stash.on_device = stash.host.to(stash.device, non_blocking=True)
             stash.ready = torch.cuda.Event()
@@ -99,8 +122,8 @@ def _fetch(stash: _Stash) -> None:
         stash.on_device = stash.host.to(stash.device, copy=True)
 
 
-def _take(stash: _Stash) -> torch.Tensor:
-    _fetch(stash)
+def _take(state: OffloadState, stash: _Stash) -> torch.Tensor:
+    _fetch(state, stash)
     tensor = stash.on_device
     if stash.ready is not None:
         current = torch.cuda.current_stream(stash.device)
@@ -115,19 +138,19 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     backward: bring the input back (prefetched), recompute the layer with grad, backpropagate through it."""
 
     @staticmethod
-    def forward(ctx, function, preserve_rng: bool, hidden_states, grad_anchor, *other_args):
-        ctx.function = function
+    def forward(ctx, state: OffloadState, function, preserve_rng: bool, hidden_states, grad_anchor, *other_args):
+        ctx.state, ctx.function = state, function
         ctx.autocast = _autocast_state(hidden_states.device)
         # other tensor inputs (position embeddings, masks) are small next to the hidden states: kept as they are
         ctx.save_for_backward(*[a for a in other_args if torch.is_tensor(a)])
         ctx.other_args = [None if torch.is_tensor(a) else a for a in other_args]
-        stash = _park(hidden_states)
+        stash = _park(state, hidden_states)
         if preserve_rng:
             stash.rng_state = _rng_state(hidden_states.device)
-        last = _Streams.last
+        last = state.last
         if last is not None and not last.consumed and last.device == stash.device:
             stash.previous = last
-        _Streams.last = stash
+        state.last = stash
         ctx.stash = stash
         ctx.split = _splittable_layer(function, other_args)
         with torch.no_grad():
@@ -135,15 +158,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 layer, kwargs = ctx.split
                 fused = _use_fused(hidden_states)
                 residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-                return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual)
+                return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
             return function(hidden_states, *other_args)
 
     @staticmethod
     def backward(ctx, *output_grads):
-        stash = ctx.stash
-        hidden_states = _take(stash).detach().requires_grad_(stash.requires_grad)
+        state, stash = ctx.state, ctx.stash
+        hidden_states = _take(state, stash).detach().requires_grad_(stash.requires_grad)
         if stash.previous is not None and not stash.previous.consumed:
-            _fetch(stash.previous)  # overlap the previous layer's copy with this layer's recompute
+            _fetch(state, stash.previous)  # overlap the previous layer's copy with this layer's recompute
         saved = iter(ctx.saved_tensors)
         others = []
         for arg in ctx.other_args:
@@ -157,9 +180,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 _set_rng_state(hidden_states.device, stash.rng_state)
             if ctx.split is not None:
                 with torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
-                    _split_backward(*ctx.split, hidden_states, output_grads[0])
-                ctx.function = ctx.other_args = ctx.stash = ctx.split = None
-                return (None, None, hidden_states.grad if stash.requires_grad else None, None) + (None,) * len(others)
+                    _split_backward(state, *ctx.split, hidden_states, output_grads[0])
+                ctx.state = ctx.function = ctx.other_args = ctx.stash = ctx.split = None
+                grad = hidden_states.grad if stash.requires_grad else None
+                return (None, None, None, grad, None) + (None,) * len(others)
             with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
                 outputs = ctx.function(hidden_states, *others)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -167,9 +191,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                  if torch.is_tensor(o) and o.requires_grad and g is not None]  # fmt: skip
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        ctx.function = ctx.other_args = ctx.stash = None
+        ctx.state = ctx.function = ctx.other_args = ctx.stash = None
         other_grads = tuple(o.grad if torch.is_tensor(o) and o.requires_grad else None for o in others)
-        return (None, None, hidden_states.grad if stash.requires_grad else None, None, *other_grads)
+        return (None, None, None, hidden_states.grad if stash.requires_grad else None, None, *other_grads)
 
 
 def _splittable_layer(function, other_args) -> tuple | None:
@@ -201,18 +225,17 @@ def _use_fused(hidden_states: torch.Tensor) -> bool:
     return hidden_states.is_cuda and hidden_states.numel() // hidden_states.shape[-1] >= FUSED_MIN_TOKENS
 
 
-def _tiled(function, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A token-wise `function` over [..., tokens, hidden] in tiles, under no grad."""
+def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
+    """A token-wise `function` over [..., tokens, hidden] in tiles of `tile` tokens (0: one piece), under no grad."""
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    tile = _Streams.mlp_tile_tokens
     if tile <= 0 or flat.shape[0] <= tile:
         return function(hidden_states)
     return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
 
 
-def _split_backward(layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor) -> None:
+def _split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor) -> None:
     """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention."""
-    _Streams.split_recomputes += 1
+    state.split_recomputes += 1
     # grad mode is off inside a backward: every op whose graph is needed, views included, runs under enable_grad
     with torch.enable_grad():
         fused = _use_fused(hidden_states)
@@ -220,25 +243,13 @@ def _split_backward(layer, kwargs, hidden_states: torch.Tensor, grad_output: tor
         mid = residual.detach().requires_grad_(True)
         flat_mid = mid.view(-1, mid.shape[-1])
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        tile = _Streams.mlp_tile_tokens if _Streams.mlp_tile_tokens > 0 else flat_mid.shape[0]
+        tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
         for start in range(0, flat_mid.shape[0], tile):
             out = _mlp_block(layer, flat_mid[start : start + tile], fused)
             torch.autograd.backward(out, flat_grad[start : start + tile])  # into the LoRA weights and mid.grad
             del out  # this tile's MLP activations go before the next tile's are made
     if residual.requires_grad:
         torch.autograd.backward(residual, grad_output + mid.grad)
-
-
-def offloaded_checkpoint(function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
-    """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: `function(hidden_states, *args)`."""
-    if kwargs:
-        function = _bind(function, kwargs)
-    if not torch.is_tensor(hidden_states) or not torch.is_grad_enabled():
-        return function(hidden_states, *args)
-    # A grad-requiring anchor makes autograd call backward even when the hidden states do not require grad (a frozen
-    # embedding under LoRA), which is what lets the recomputed layer's LoRA weights receive their gradients.
-    anchor = torch.empty(0, device=hidden_states.device, requires_grad=True)
-    return _OffloadedCheckpoint.apply(function, preserve_rng_state, hidden_states, anchor, *args)
 
 
 def _bind(function, kwargs):
@@ -268,51 +279,56 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _base_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+def offload_state(model) -> OffloadState | None:
+    """The model's offloaded-checkpointing state (settings and counters), or None when it is not enabled."""
+    return getattr(hf_model(model), _STATE, None)
 
 
-def _install(model) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def _install(model, state: OffloadState) -> None:
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = offloaded_checkpoint
+            module._gradient_checkpointing_func = state.checkpoint
 
 
-def enable_offloaded_checkpointing(model, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> None:
-    """Checkpoint every decoder layer with offloading to host memory. Survives later `gradient_checkpointing_enable`
-    calls (HF Trainer makes one when `gradient_checkpointing=True`): they re-install the offloading function.
-    `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute."""
+def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+    """transformers' method, then this model's offloading checkpoint function installed again (bound per model)."""
+    # newer transformers route `activation_checkpointing_enable(every_n_layers=..., offload=...)` here
+    self._slimrl_original_gc_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+    state = getattr(self, _STATE, None)
+    if state is not None:
+        _install(self, state)
+
+
+def enable_offloaded_checkpointing(
+    model, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, *, min_offload_bytes: int = MIN_OFFLOAD_BYTES
+) -> OffloadState:
+    """Checkpoint every decoder layer with offloading to host memory; returns the model's `OffloadState`. Survives
+    later `gradient_checkpointing_enable` calls (HF Trainer makes one when `gradient_checkpointing=True`): they
+    re-install the offloading function. `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute;
+    checkpoints under `min_offload_bytes` stay on the GPU. Calling it again updates the settings."""
     if mlp_tile_tokens < 0:
         raise ValueError(f"mlp_tile_tokens must be >= 0, got {mlp_tile_tokens}")
-    _Streams.mlp_tile_tokens = mlp_tile_tokens
-    base = _base_model(model)
-    if not getattr(base, _MARK, False):
-        original_enable = base.gradient_checkpointing_enable
-
-        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
-            # newer transformers route `activation_checkpointing_enable(every_n_layers=..., offload=...)` here
-            original_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-            if getattr(self, _MARK, False):
-                for module in self.modules():
-                    if hasattr(module, "_gradient_checkpointing_func"):
-                        module._gradient_checkpointing_func = offloaded_checkpoint
-
-        base._slimrl_original_gc_enable = original_enable
-        base.gradient_checkpointing_enable = types.MethodType(gradient_checkpointing_enable, base)
-        setattr(base, _MARK, True)
-    _install(base)
+    base = hf_model(model)
+    state = getattr(base, _STATE, None)
+    if state is None:
+        state = OffloadState(mlp_tile_tokens, min_offload_bytes)
+        base._slimrl_original_gc_enable = base.gradient_checkpointing_enable
+        base.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, base)
+        setattr(base, _STATE, state)
+    state.mlp_tile_tokens, state.min_offload_bytes = mlp_tile_tokens, min_offload_bytes
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return state
 
 
 def disable_offloaded_checkpointing(model) -> None:
     """Back to transformers' own checkpointing (still enabled, with torch's checkpoint)."""
-    base = _base_model(model)
-    if getattr(base, _MARK, False):
-        setattr(base, _MARK, False)
+    base = hf_model(model)
+    if getattr(base, _STATE, None) is not None:
+        delattr(base, _STATE)
         base.gradient_checkpointing_enable = base._slimrl_original_gc_enable
         del base._slimrl_original_gc_enable
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def is_offloaded_checkpointing(model) -> bool:
-    return bool(getattr(_base_model(model), _MARK, False))
+    return offload_state(model) is not None

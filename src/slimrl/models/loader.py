@@ -14,17 +14,29 @@ from dataclasses import dataclass
 
 import torch
 
-from slimrl.models import quantization
+from slimrl.models import modes, quantization
+from slimrl.models.lora import (
+    GRADIENT_CHECKPOINTING_CHOICES,
+    LLAMA_PROJECTIONS,
+    add_lora,
+    check_lora_request,
+    find_lora_targets,
+    linear_layer_names,
+)
+from slimrl.models.modes import set_gradient_checkpointing
 from slimrl.models.sources import ModelSource, resolve_source
 
 logger = logging.getLogger(__name__)
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+__all__ = [  # LoRA targets and the mode switches live in lora.py and modes.py; importable from here as before
+    "DTYPE_NAMES", "FastLanguageModel", "GRADIENT_CHECKPOINTING_CHOICES", "LLAMA_PROJECTIONS", "LoadOptions",
+    "choose_dtype", "default_device_map", "ensure_pad_token", "find_lora_targets", "linear_layer_names",
+    "parse_dtype", "set_gradient_checkpointing",
+]  # fmt: skip
 # Special tokens that are safe padding because nothing else uses them, in order of preference: Llama 3's reserved
 # pad, the generic names, Qwen's fill-in-the-middle pad. After them: the unknown token; last resort: add <|pad|>.
 PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]", "<|fim_pad|>")
 ADDED_PAD_TOKEN = "<|pad|>"
-GRADIENT_CHECKPOINTING_CHOICES = (True, False, "offload")
 DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -133,107 +145,6 @@ def ensure_pad_token(tokenizer, model=None) -> None:
         model.config.pad_token_id = tokenizer.pad_token_id
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-# -- LoRA targets ----------------------------------------------------------------------------------------------------
-
-
-def linear_layer_names(model) -> set[str]:
-    """The distinct last name parts of the model's Linear layers (bitsandbytes ones included)."""
-    names = set()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or quantization.is_quantized_linear(module):
-            names.add(name.rsplit(".", 1)[-1])
-    return names
-
-
-def find_lora_targets(model) -> list[str]:
-    """The Llama-style projections (q, k, v, o, gate, up, down) among the model's actual Linear layers."""
-    linear_names = linear_layer_names(model)
-    targets = [name for name in LLAMA_PROJECTIONS if name in linear_names]
-    if not targets:
-        raise ValueError(
-            f"No Llama-style projections ({', '.join(LLAMA_PROJECTIONS)}) in this model; its Linear layers are "
-            f"named {sorted(linear_names)}. Pass target_modules=[...] to get_peft_model."
-        )
-    missing = [name for name in LLAMA_PROJECTIONS if name not in linear_names]
-    if missing:
-        logger.warning("slimrl: LoRA on %s; this model has no %s (its Linear layers: %s). Pass target_modules to "
-                       "choose others.", targets, missing, sorted(linear_names))  # fmt: skip
-    return targets
-
-
-# -- gradient checkpointing and modes --------------------------------------------------------------------------------
-
-
-def _hf_model(model):
-    """The transformers model under a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _checkpointing_is_on(hf_model) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) for module in hf_model.modules())
-
-
-def _checkpointing_enable(hf_model) -> None:
-    # newer transformers (5.23 here) renamed the method and deprecated the old name; 5.17 (the GPU machine) has only
-    # the old one
-    kwargs = {"use_reentrant": False}
-    if hasattr(hf_model, "activation_checkpointing_enable"):
-        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _checkpointing_disable(hf_model) -> None:
-    if hasattr(hf_model, "activation_checkpointing_disable"):
-        hf_model.activation_checkpointing_disable()
-    else:
-        hf_model.gradient_checkpointing_disable()
-
-
-def set_gradient_checkpointing(model, mode: bool | str | None) -> None:
-    """Checkpointing on (True: torch's non-reentrant), on with host offloading ("offload"), off (False), or left as
-    it is (None). A no-op when the model is already in that state, so it can run every step."""
-    if mode is None:
-        return
-    hf_model = _hf_model(model)
-    on = _checkpointing_is_on(hf_model)
-    if not mode:
-        if on:
-            _checkpointing_disable(hf_model)
-        return
-    if mode == "offload":
-        try:
-            from slimrl.models import checkpointing
-        except ImportError as error:
-            raise NotImplementedError(
-                "use_gradient_checkpointing='offload' needs slimrl.models.checkpointing, which this install lacks; "
-                "use use_gradient_checkpointing=True."
-            ) from error
-        is_offloaded = getattr(checkpointing, "is_offloaded_checkpointing", None)
-        if not (on and is_offloaded is not None and is_offloaded(hf_model)):
-            _remove_input_grad_hooks(hf_model)
-            checkpointing.enable_offloaded_checkpointing(hf_model)
-    elif not on:
-        _remove_input_grad_hooks(hf_model)
-        _checkpointing_enable(hf_model)
-    # A checkpointed layer backpropagates into its LoRA weights only if its input requires grad; the embeddings are
-    # frozen, so their output is made to.
-    quantization.enable_input_grads(hf_model)
-
-
-def _remove_input_grad_hooks(hf_model) -> None:
-    """transformers' checkpointing_enable registers the input-grad hook again and forgets the old handle: dropping
-    ours first keeps exactly one hook however many times training mode is re-entered."""
-    if getattr(hf_model, "_require_grads_hooks", None) or getattr(hf_model, "_require_grads_hook", None) is not None:
-        hf_model.disable_input_require_grads()
-
-
-def _set_padding_side(model, side: str) -> None:
-    tokenizer = getattr(model, "slimrl_tokenizer", None)
-    if tokenizer is not None and tokenizer.padding_side != side:
-        tokenizer.padding_side = side
 
 
 # -- loading ---------------------------------------------------------------------------------------------------------
@@ -390,57 +301,24 @@ class FastLanguageModel:
         random_state: seeds the LoRA initialisation (the global RNG is left as it was).
         Other keyword arguments go to peft's LoraConfig (use_dora, init_lora_weights, layers_to_transform, ...).
         """
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        if isinstance(model, PeftModel) or hasattr(model, "peft_config"):
-            raise ValueError(
-                "This model already has a LoRA adapter; call get_peft_model once, on the model from from_pretrained. "
-                "To train an existing adapter, load it with peft's PeftModel.from_pretrained(model, path, "
-                "is_trainable=True)."
-            )
-        if use_gradient_checkpointing == "unsloth":
-            use_gradient_checkpointing = "offload"  # Unsloth's name for the same idea
-        if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_CHOICES:
-            raise ValueError(f"use_gradient_checkpointing must be True, False or 'offload', got "
-                             f"{use_gradient_checkpointing!r}.")  # fmt: skip
-        options = getattr(model, "slimrl_options", None)
-        if options is not None and r > options.max_lora_rank:
-            raise ValueError(f"r={r} exceeds max_lora_rank={options.max_lora_rank} given to from_pretrained; raise "
-                             "max_lora_rank or lower r.")  # fmt: skip
+        mode = check_lora_request(model, r, use_gradient_checkpointing)
         kwargs.pop("max_seq_length", None)  # Unsloth's get_peft_model takes it too; from_pretrained already has it
-        if quantization.is_quantized_model(model):
-            quantization.prepare_for_kbit_training(model)
-        else:
-            for param in model.parameters():  # the base stays frozen; only the adapter (and modules_to_save) train
-                param.requires_grad_(False)
-        config = LoraConfig(
-            r=r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            bias=bias,
-            target_modules=target_modules if target_modules is not None else find_lora_targets(model),
-            use_rslora=use_rslora,
-            modules_to_save=modules_to_save,
-            task_type="CAUSAL_LM",
-            **kwargs,
-        )
-        cuda_devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda_devices):
-            torch.manual_seed(random_state)
-            peft_model = get_peft_model(model, config)
+        peft_model = add_lora(model, r=r, target_modules=target_modules, random_state=random_state,
+                              lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
+                              modules_to_save=modules_to_save, **kwargs)  # fmt: skip
+        options = getattr(model, "slimrl_options", None)
         if options is None:  # a model that did not come from from_pretrained
-            options = LoadOptions(
+            options = model.slimrl_options = LoadOptions(
                 max_seq_length=getattr(model.config.get_text_config(), "max_position_embeddings", 2048),
                 dtype=model.dtype,
                 load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
                 load_in_8bit=bool(getattr(model, "is_loaded_in_8bit", False)),
             )
-            model.slimrl_options = options
-        options.gradient_checkpointing = use_gradient_checkpointing
+        options.gradient_checkpointing = mode
         from slimrl.models.saving import attach_save_methods
 
         attach_save_methods(peft_model)
-        return FastLanguageModel.for_training(peft_model)
+        return modes.for_training(peft_model)
 
     @staticmethod
     def for_inference(model):
@@ -448,20 +326,7 @@ class FastLanguageModel:
 
         Each step is skipped when already done, so calling it before every generation is cheap. Returns the model.
         """
-        hf_model = _hf_model(model)
-        if model.training or hf_model.training:
-            model.eval()
-        config = hf_model.config
-        if not config.use_cache:
-            config.use_cache = True
-        set_gradient_checkpointing(model, False)
-        tokenizer = getattr(model, "slimrl_tokenizer", None)
-        options = getattr(model, "slimrl_options", None)
-        if tokenizer is not None and tokenizer.padding_side != "left":
-            if options is not None:  # the side chosen for training, put back by for_training
-                options.training_padding_side = tokenizer.padding_side
-            tokenizer.padding_side = "left"
-        return model
+        return modes.for_inference(model)
 
     @staticmethod
     def for_training(model):
@@ -471,18 +336,7 @@ class FastLanguageModel:
         Each step is skipped when already done, so calling it before every optimisation phase is cheap. Returns the
         model.
         """
-        hf_model = _hf_model(model)
-        # both flags: a fresh peft wrapper says training=True while the model under it is still in from_pretrained's
-        # eval mode, where decoder layers skip checkpointing and dropout
-        if not (model.training and hf_model.training):
-            model.train()
-        config = hf_model.config
-        if config.use_cache:
-            config.use_cache = False
-        options = getattr(model, "slimrl_options", None)
-        set_gradient_checkpointing(model, getattr(options, "gradient_checkpointing", None))
-        _set_padding_side(model, getattr(options, "training_padding_side", "left"))
-        return model
+        return modes.for_training(model)
 
     @staticmethod
     def save_lora(model, tokenizer, path, overwrite: bool = False) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from slimrl.models.quantization import dequantized_weight, is_quantized_linear
+from slimrl.models.unwrap import hf_model
 from slimrl.trainers.finite import NonFiniteError, nonfinite_tensors, refuse_nonfinite_weights
 
 SAVE_METHODS = ("lora", "merged_16bit", "merged_32bit")
@@ -31,10 +32,6 @@ MERGED_DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32,
 }  # fmt: skip
-
-
-def _hf_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _is_slimrl_save(path: Path) -> bool:
@@ -50,7 +47,7 @@ def _check_target(target: Path, overwrite: bool, model) -> None:
     if resolved == Path(resolved.anchor) or resolved == Path.home().resolve() or resolved in (cwd, *cwd.parents):
         raise ValueError(f"Refusing to save into {target}: it is the filesystem root, the home directory or (a parent "
                          "of) the working directory. Choose a new directory.")  # fmt: skip
-    source = getattr(getattr(_hf_model(model), "config", None), "_name_or_path", None)
+    source = getattr(getattr(hf_model(model), "config", None), "_name_or_path", None)
     if source and Path(source).is_dir() and Path(source).resolve() == resolved:
         raise ValueError(f"Refusing to save into {target}: the model was loaded from there. Choose a new directory.")
     if target.is_dir() and any(target.iterdir()) and not overwrite and not _is_slimrl_save(target):
@@ -122,7 +119,7 @@ def merged_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     trained copy, everything else its own parameters and persistent buffers.
     """
     merged: dict[str, torch.Tensor] = {}
-    _collect(_hf_model(model), "", dtype, merged)
+    _collect(hf_model(model), "", dtype, merged)
     return merged
 
 
@@ -177,7 +174,7 @@ def save_merged(model, tokenizer, path, dtype: torch.dtype | str = torch.float16
     from transformers import AutoModelForCausalLM
 
     dtype = merged_dtype(dtype)
-    base = _hf_model(model)
+    base = hf_model(model)
     config = base.config.__class__.from_dict(base.config.to_dict())
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):

@@ -3,6 +3,9 @@
 Each has a plain-PyTorch reference (the model's own formula) and a fast path with the same signature: the reference
 compiled by torch.compile (inductor emits one Triton kernel for the forward and one for the backward, instead of a
 chain of memory-bound kernels over [tokens, 8960] and fp32 [tokens, hidden] tensors). CPU runs the reference.
+
+Tests run the fast path itself on the CPU (inductor's C++ backend compiles the same graph) by adding "cpu" to
+`FAST_PATH_DEVICES` (`monkeypatch.setattr(fused, "FAST_PATH_DEVICES", ("cuda", "cpu"))`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FAST_PATH_DEVICES = ("cuda",)  # device types whose tensors take the compiled path; the others run the reference
 _compiled: dict[str, object] = {}
 
 
@@ -33,13 +37,13 @@ def _fast(name: str, reference):
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.is_cuda:
+    if gate.device.type in FAST_PATH_DEVICES:
         return _fast("silu_mul", silu_mul_reference)(gate, up)
     return silu_mul_reference(gate, up)
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if hidden_states.is_cuda:
+    if hidden_states.device.type in FAST_PATH_DEVICES:
         return _fast("rms_norm", rms_norm_reference)(hidden_states, weight, eps)
     return rms_norm_reference(hidden_states, weight, eps)
 

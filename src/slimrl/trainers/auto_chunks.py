@@ -13,18 +13,23 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     """Chunks for sequences of these token lengths. On CPU memory is not the constraint: one piece."""
     if device.type != "cuda":
         return 1
-    from slimrl.models.checkpointing import is_offloaded_checkpointing
+    from slimrl.models.checkpointing import offload_state
     from slimrl.trainers.memory import choose_num_chunks
 
     model = trainer.accelerator.unwrap_model(trainer.model)
+    state = offload_state(model)  # the model's own offloading settings, when it has them
     free_bytes, _ = torch.cuda.mem_get_info(device)
+    # gradients the step's first backward will allocate (those already there are outside the free memory)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     choice = choose_num_chunks(
         model.config,
         lengths,
         free_bytes=free_bytes,
         dtype=model.dtype,
-        offloaded=is_offloaded_checkpointing(model),
-        tiled_mlp=is_offloaded_checkpointing(model) and bool(getattr(trainer.args, "mlp_tile_tokens", 0)),
+        offloaded=state is not None,
+        mlp_tile_tokens=state.mlp_tile_tokens if state is not None else 0,
+        gradient_bytes=gradient_bytes,
+        min_offload_bytes=state.min_offload_bytes if state is not None else 0,
     )
     if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
         logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)

@@ -3,6 +3,30 @@
 Only one chunk's activations are alive at a time. Every chunk but the last is backpropagated here; the last chunk's
 loss is returned with the others' values added as constants, so the caller's single `backward()` (HF Trainer's
 `training_step`) completes the gradient exactly as if the micro-batch had run in one piece.
+
+The API, for any trainer whose loss is a sum of per-sequence (or per-group) terms:
+
+    chunks = plan_chunks(completion_mask, num_chunks)            # [Chunk(rows, width), ...]
+    loss, totals = run_chunks(chunks, chunk_loss, backward, no_sync)
+
+`chunk_loss(chunk) -> (loss, stats)` computes one chunk's share of the loss (with grad) and a dict of detached
+tensors (loss sums, token counts, metric numerators and denominators); `run_chunks` returns the micro-batch's loss and,
+per name, the sum over chunks of those tensors. Per-sequence values (for a min or max over sequences) go in with
+`chunk.spread(values, num_rows)`: each row belongs to one chunk, so the sum assembles the micro-batch's vector.
+`chunk_loss` keeps no state between calls; whatever the chunks share is computed before the first one.
+
+The rule that makes the summed gradient exact: every quantity a chunk's loss is divided or weighted by is computed
+over the whole micro-batch before the first chunk (GRPO's sequence weights, `grpo_loss.sequence_weights`), never
+from the chunk itself. How other trainers would plug in:
+
+- SFT: per-token negative log-likelihood; the normaliser is the micro-batch's label-token count (TRL's
+  `num_items_in_batch`), known up front. `chunk_loss` returns `(nll_sum / tokens, {"nll": nll_sum.detach(),
+  "tokens": count})`, and the logged mean is `totals["nll"] / totals["tokens"]`.
+- DPO: the loss of a pair, -logsigmoid(beta * (chosen margin - rejected margin)), is not a sum over its two
+  sequences, so a pair must never be split: plan the chunks over pairs (one row per pair, its length the longer of
+  the two; `Chunk.rows` are then pair indices and `chunk_loss` forwards both sequences of each pair), and divide by
+  the micro-batch's number of pairs, not the chunk's. Reference log-probs come from a gradient-free pass in the same
+  chunks.
 """
 
 from __future__ import annotations
@@ -13,11 +37,19 @@ from dataclasses import dataclass
 
 import torch
 
+ChunkStats = dict[str, torch.Tensor]  # name -> detached tensor, summed over chunks by run_chunks
+
 
 @dataclass(frozen=True)
 class Chunk:
     rows: torch.Tensor  # [b] indices of the chunk's sequences in the micro-batch
     width: int  # completion columns the chunk needs: its longest completion (right padding beyond is dropped)
+
+    def spread(self, values: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Per-sequence `values` [b] placed at the chunk's rows of a zero vector [num_rows]: summed over the chunks,
+        these give the micro-batch's per-sequence vector (a NaN stays a NaN)."""
+        full = torch.zeros(num_rows, dtype=values.dtype, device=values.device)
+        return full.index_copy(0, self.rows.to(values.device), values)
 
 
 def plan_chunks(completion_mask: torch.Tensor, num_chunks: int) -> list[Chunk]:
@@ -52,24 +84,41 @@ def take(tensor: torch.Tensor | None, chunk: Chunk, full_width: int) -> torch.Te
     return rows
 
 
+def add_stats(totals: ChunkStats, stats: ChunkStats) -> ChunkStats:
+    """`totals` with `stats` added name by name (a new name starts at its first value); the first chunk's names keep
+    their order."""
+    merged = dict(totals)
+    for name, value in stats.items():
+        merged[name] = value if name not in merged else merged[name] + value
+    return merged
+
+
 def run_chunks(
     chunks: list[Chunk],
-    chunk_loss: Callable[[Chunk], torch.Tensor],
+    chunk_loss: Callable[[Chunk], tuple[torch.Tensor, ChunkStats]],
     backward: Callable[[torch.Tensor], None],
     no_sync: Callable[[], contextlib.AbstractContextManager],
-) -> torch.Tensor:
-    """Loss of all chunks; when grad is enabled, every chunk but the last is backpropagated on the way.
+) -> tuple[torch.Tensor, ChunkStats]:
+    """(loss of all chunks, the chunks' stats summed); when grad is enabled, every chunk but the last is
+    backpropagated on the way.
 
     `backward` is the accelerator's (it applies the fp16 loss scaler); `no_sync` suppresses the data-parallel
     gradient all-reduce for the inner backward passes, so it runs once, with the caller's final backward.
     """
+    totals: ChunkStats = {}
     if not torch.is_grad_enabled() or len(chunks) == 1:
-        losses = [chunk_loss(chunk) for chunk in chunks]
-        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        losses = []
+        for chunk in chunks:
+            loss, stats = chunk_loss(chunk)
+            losses.append(loss)
+            totals = add_stats(totals, stats)
+        return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()), totals
     done = None  # detached sum of the losses already backpropagated
     for chunk in chunks[:-1]:
         with no_sync():
-            loss = chunk_loss(chunk)
+            loss, stats = chunk_loss(chunk)
             backward(loss)
         done = loss.detach() if done is None else done + loss.detach()
-    return chunk_loss(chunks[-1]) + done
+        totals = add_stats(totals, stats)
+    loss, stats = chunk_loss(chunks[-1])
+    return loss + done, add_stats(totals, stats)

@@ -17,19 +17,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
-from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import trl
 from accelerate.utils import DistributedType
-from trl.trainer.utils import nanmax, nanmin
 
 from slimrl.trainers.base import SlimTrainerMixin
-from slimrl.trainers.chunked_step import Chunk, plan_chunks, run_chunks, take
+from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_chunks, run_chunks, take
 from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
+from slimrl.trainers.grpo_inputs import check_context_length, check_dataset, is_multimodal
 from slimrl.trainers.grpo_loss import (
-    CLIPPED_LOSSES,
     LOSS_TYPES,
     TOKEN_SUM_LOSSES,
     PolicyLossSettings,
@@ -37,6 +35,7 @@ from slimrl.trainers.grpo_loss import (
     sequence_weights,
     weighted_loss_sum,
 )
+from slimrl.trainers.grpo_metrics import ENTROPY_STATS, POLICY_LOSS, append_metrics, chunk_metrics
 from slimrl.trainers.resume import ResumableTrainerMixin
 from slimrl.trainers.rewards_guard import guard_reward_funcs
 
@@ -44,43 +43,22 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; importable from here as before
 
-# Inputs that make a batch multimodal: chunking those needs per-image bookkeeping, so TRL's one-piece loss runs them.
-_MULTIMODAL_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 
+@dataclass(frozen=True)
+class _MicroBatch:
+    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk."""
 
-def _is_multimodal(values) -> bool:
-    return any(values.get(key) is not None for key in _MULTIMODAL_KEYS)
-
-
-class _MetricSums:
-    """Sums of the masked means TRL logs, accumulated over chunks and reduced across processes at the end."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, torch.Tensor] = {}
-        self.per_sequence: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def add_mean(self, name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
-        x = x.detach()
-        if x.shape[1] == 1:  # one value per sequence (sequence-level importance sampling)
-            pair = torch.stack([x.sum().float(), torch.tensor(float(x.shape[0]), device=x.device)])
-        else:
-            pair = torch.stack([(x * mask).sum().float(), mask.sum().float()])
-        self.totals[name] = pair if name not in self.totals else self.totals[name] + pair
-
-    def add_sequence_means(self, name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
-        x = x.detach()
-        self.per_sequence[name].append(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
+    chunks: list[Chunk]
+    width: int  # completion columns of the micro-batch
+    mask: torch.Tensor  # [N, T] completion (and tool) mask
+    advantages: torch.Tensor  # [N, 1] or [N, T]
+    weights: torch.Tensor  # [N] sequence weights (grpo_loss.sequence_weights)
+    policy_divisor: int  # 1 where the weights already hold the accumulation factor, else the accumulation steps
+    accumulation: int
+    settings: PolicyLossSettings
+    entropy_mask: torch.Tensor | None  # [N, T] bool, top-entropy tokens over the whole micro-batch
+    effective_total: torch.Tensor | None  # tokens the entropy bonus averages over; None: each chunk counts its own
+    entropy_coef: float  # the entropy bonus's coefficient for this micro-batch (0 when the bonus is off)
 
 
 class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
@@ -93,8 +71,8 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         # TRL's signature and defaults; slimrl's checks run after TRL's own, so TRL's errors keep their text
         args = with_slimrl_fields(args, model)
         super().__init__(model, reward_funcs, args, train_dataset, *positional, **kwargs)
-        _check_dataset(train_dataset, "train_dataset", self.environment_factories is not None)
-        _check_context_length(self.model, self.args.max_completion_length)
+        check_dataset(train_dataset, "train_dataset", self.environment_factories is not None)
+        check_context_length(self.model, self.args.max_completion_length)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()
         self._choose_generation_backend()
@@ -197,7 +175,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
 
     def _one_piece_reason(self, inputs) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
-        if _is_multimodal(inputs):
+        if is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
         if self.aux_loss_enabled:
             return "the MoE load-balancing loss depends on all tokens of the micro-batch at once"
@@ -210,41 +188,28 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
             self._fallback_reasons_logged.add(reason)
             logger.warning("slimrl: running the loss in one piece (TRL's path) because %s.", reason)
 
-    def _loss_settings(self) -> PolicyLossSettings:
-        args = self.args
-        return PolicyLossSettings(
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=args.delta,
-            beta=self.beta,
-            use_bias_correction_kl=args.use_bias_correction_kl,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            apply_vllm_is_ratio=bool(self.use_vllm and self.vllm_importance_sampling_correction),
-        )
-
     def _chunked_loss(self, model, inputs) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
+        batch = self._micro_batch(model, inputs, mode)
+        loss, totals = run_chunks(
+            batch.chunks,
+            lambda chunk: self._chunk_loss(model, inputs, batch, chunk),
+            backward=self.accelerator.backward,
+            no_sync=lambda: self.accelerator.no_sync(model),
+        )
+        self._log_chunk_metrics(mode, totals)
+        return loss
+
+    def _micro_batch(self, model, inputs, mode: str) -> _MicroBatch:
+        """The chunk plan and the micro-batch-wide quantities of the loss, in the order TRL computes them."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        settings = self._loss_settings()
-        prompt_mask = inputs["prompt_mask"]
+        settings = PolicyLossSettings.from_trainer(self)
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        width = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [N, T]
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, T]
-
-        lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
+        lengths = (inputs["prompt_mask"].sum(1) + completion_mask.sum(1)).tolist()
         chunks = plan_chunks(completion_mask, self._num_chunks_for(lengths, completion_ids.device))
-
-        # Micro-batch-wide quantities every chunk's share of the loss depends on.
         token_normalizer = None
         if self.loss_type in TOKEN_SUM_LOSSES:
             token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -253,64 +218,64 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         weights = sequence_weights(
             self.loss_type, mask, max_completion_length=self.max_completion_length, token_normalizer=token_normalizer
         )  # [N]
-        policy_divisor = 1 if self.loss_type in TOKEN_SUM_LOSSES else accumulation
-
         entropy_mask = None  # [N, T] bool, top-entropy tokens over the whole micro-batch
         if self.top_entropy_quantile < 1.0 and len(chunks) > 1:
             entropy_mask = self._top_entropy_mask(model, inputs, chunks, mask)
-        effective_total = None  # tokens the entropy bonus averages over; a single chunk counts its own
+        effective_total, entropy_coef = None, 0.0  # a single chunk counts its own tokens
         if self._entropy_bonus_enabled:
             if entropy_mask is not None or self.top_entropy_quantile >= 1.0:
                 effective_total = (mask if entropy_mask is None else mask * entropy_mask).sum().clamp(min=1.0)
-            if self.use_adaptive_entropy:
-                apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
-            else:
-                apply_coef = self.entropy_coef
-
-        sums = _MetricSums()
-        policy_total = torch.zeros((), device=completion_ids.device)
-        entropy_stats = torch.zeros(2, device=completion_ids.device)
-
-        def chunk_loss(chunk: Chunk) -> torch.Tensor:
-            nonlocal policy_total, entropy_stats
-            c_mask = take(mask, chunk, width)  # [b, t]
-            logps, entropies = self._chunk_logps_and_entropies(model, inputs, chunk)  # [b, t] each
-            c_entropy_mask = take(entropy_mask, chunk, width)
-            if self.top_entropy_quantile < 1.0 and c_entropy_mask is None:  # one chunk: TRL's own rule, in place
-                c_entropy_mask = self.get_high_entropy_mask(entropies, c_mask, 1 - self.top_entropy_quantile)
-            old = take(inputs.get("old_per_token_logps"), chunk, width)
-            c_advantages = take(advantages, chunk, width)
-            terms = policy_loss_terms(
-                settings,
-                logps,
-                logps.detach() if old is None else old,
-                c_advantages,
-                c_mask,
-                ref_logps=take(inputs.get("ref_per_token_logps"), chunk, width),
-                is_ratio=take(inputs.get("importance_sampling_ratio"), chunk, width),
-                sampling_logps=take(inputs.get("sampling_per_token_logps"), chunk, width),
-                entropy_mask=c_entropy_mask,
-            )
-            policy = weighted_loss_sum(terms.per_token_loss, c_mask, take(weights, chunk, -1))
-            policy_total = policy_total + policy.detach()
-            loss = policy / policy_divisor
-            if self._entropy_bonus_enabled:
-                effective = c_mask if c_entropy_mask is None else c_mask * c_entropy_mask
-                total = effective.sum().clamp(min=1.0) if effective_total is None else effective_total
-                entropy_sum = (entropies * effective).sum()
-                loss = loss - apply_coef * entropy_sum / total / accumulation
-                entropy_stats = entropy_stats + torch.stack([entropy_sum.detach(), effective.sum().detach()])
-            self._add_chunk_metrics(sums, terms, entropies, c_advantages, c_mask)
-            return loss
-
-        loss = run_chunks(
-            chunks,
-            chunk_loss,
-            backward=self.accelerator.backward,
-            no_sync=lambda: self.accelerator.no_sync(model),
+            entropy_coef = self.entropy_coef
+            if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
+                entropy_coef = 0.0  # TRL's controller: no bonus while the entropy is above its target
+        return _MicroBatch(
+            chunks=chunks,
+            width=completion_ids.size(1),
+            mask=mask,
+            advantages=advantages,
+            weights=weights,
+            policy_divisor=1 if self.loss_type in TOKEN_SUM_LOSSES else accumulation,
+            accumulation=accumulation,
+            settings=settings,
+            entropy_mask=entropy_mask,
+            effective_total=effective_total,
+            entropy_coef=entropy_coef,
         )
-        self._log_chunk_metrics(mode, sums, policy_total, entropy_stats)
-        return loss
+
+    def _chunk_loss(self, model, inputs, batch: _MicroBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
+        """One chunk's share of the loss (with grad) and its detached policy-loss, entropy and metric parts."""
+        width = batch.width
+        mask = take(batch.mask, chunk, width)  # [b, t]
+        logps, entropies = self._chunk_logps_and_entropies(model, inputs, chunk)  # [b, t] each
+        entropy_mask = take(batch.entropy_mask, chunk, width)
+        if self.top_entropy_quantile < 1.0 and entropy_mask is None:  # one chunk: TRL's own rule, in place
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        old = take(inputs.get("old_per_token_logps"), chunk, width)
+        advantages = take(batch.advantages, chunk, width)
+        terms = policy_loss_terms(
+            batch.settings,
+            logps,
+            logps.detach() if old is None else old,
+            advantages,
+            mask,
+            ref_logps=take(inputs.get("ref_per_token_logps"), chunk, width),
+            is_ratio=take(inputs.get("importance_sampling_ratio"), chunk, width),
+            sampling_logps=take(inputs.get("sampling_per_token_logps"), chunk, width),
+            entropy_mask=entropy_mask,
+        )
+        policy = weighted_loss_sum(terms.per_token_loss, mask, take(batch.weights, chunk, -1))
+        loss = policy / batch.policy_divisor
+        stats = {POLICY_LOSS: policy.detach().float()}
+        if self._entropy_bonus_enabled:
+            effective = mask if entropy_mask is None else mask * entropy_mask
+            total = effective.sum().clamp(min=1.0) if batch.effective_total is None else batch.effective_total
+            entropy_sum = (entropies * effective).sum()
+            loss = loss - batch.entropy_coef * entropy_sum / total / batch.accumulation
+            stats[ENTROPY_STATS] = torch.stack([entropy_sum.detach(), effective.sum().detach()]).float()
+        num_rows = batch.mask.size(0)
+        stats.update(chunk_metrics(self.loss_type, self.epsilon_low, self.epsilon_high, terms, entropies, advantages,
+                                   mask, chunk, num_rows))  # fmt: skip
+        return loss, stats
 
     def _num_chunks_for(self, lengths: list[int], device: torch.device) -> int:
         requested = getattr(self.args, "num_chunks", "auto")
@@ -330,7 +295,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         # of the gradient-free passes changes
         # Gradient-free scoring passes (old and reference log-probs) run in the training step's chunks, so they never
         # hold more activations than a training chunk does. Rows are scored independently: same values.
-        if not torch.is_grad_enabled() and not _is_multimodal(kwargs) and input_ids.size(0) > 1:
+        if not torch.is_grad_enabled() and not is_multimodal(kwargs) and input_ids.size(0) > 1:
             chunks = self._num_chunks_for(attention_mask.sum(1).tolist(), input_ids.device)
             batch_size = min(batch_size or input_ids.size(0), math.ceil(input_ids.size(0) / chunks))
         return super()._get_per_token_logps_and_entropies(
@@ -357,39 +322,16 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         )
         return logps, entropies
 
-    def _add_chunk_metrics(self, sums: _MetricSums, terms, entropies, advantages, mask) -> None:
-        if terms.per_token_kl is not None:
-            sums.add_mean("kl", terms.per_token_kl, mask)
-        sums.add_mean("entropy", entropies, mask)
-        coef_1 = terms.coef_1.detach()
-        if self.loss_type in CLIPPED_LOSSES:
-            low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
-            high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-            sums.add_mean("clip_ratio/low_mean", low, mask)
-            sums.add_mean("clip_ratio/high_mean", high, mask)
-            sums.add_mean("clip_ratio/region_mean", ((low + high) > 0).float(), mask)
-            sums.add_sequence_means("clip_ratio/low_min", low, mask)
-            sums.add_sequence_means("clip_ratio/high_max", high, mask)
-        elif self.loss_type == "cispo":
-            sums.add_mean("cispo_clip_ratio", ((coef_1 > self.epsilon_high) & (advantages > 0)).float(), mask)
-        elif self.loss_type == "vespo":
-            sums.add_mean("vespo/phi_seq_mean", terms.phi_seq, mask)
-
-    def _log_chunk_metrics(self, mode, sums: _MetricSums, policy_total, entropy_stats) -> None:
+    def _log_chunk_metrics(self, mode: str, totals: ChunkStats) -> None:
         """Append the micro-batch's metrics in TRL's order, with TRL's reductions."""
         metrics = self._metrics[mode]
         if self._entropy_bonus_enabled:
-            metrics["policy_loss"].append(self.accelerator.gather(policy_total).nanmean().item())
+            metrics["policy_loss"].append(self.accelerator.gather(totals[POLICY_LOSS]).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
-                self._update_adaptive_entropy(entropy_stats)
+                self._update_adaptive_entropy(totals[ENTROPY_STATS])
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
-        for name, pair in sums.totals.items():
-            total = self.accelerator.reduce(pair, reduction="sum")
-            metrics[name].append((total[0] / total[1].clamp(min=1.0)).item())
-        reducers = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
-        for name, parts in sums.per_sequence.items():
-            metrics[name].append(reducers[name](self.accelerator.gather(torch.cat(parts))).item())
+        append_metrics(metrics, totals, self.accelerator)
 
     def _update_adaptive_entropy(self, stats: torch.Tensor) -> None:
         """TRL's adaptive entropy controller, fed with the whole micro-batch's entropy sum and token count."""
@@ -436,41 +378,3 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         elapsed = time.perf_counter() - self._phase_start
         metrics["train_tokens_per_second"].append(self._phase_tokens / elapsed if elapsed > 0 else math.nan)
         self._phase_start = None
-
-
-def _check_dataset(dataset, name: str, has_environments: bool = False) -> None:
-    columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, dict):  # a DatasetDict passed where a split was expected
-        raise ValueError(
-            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
-        )
-    # with environment_factory an environment may produce the prompt (TRL's datasets then carry `environment`)
-    if columns is not None and "prompt" not in columns and not has_environments:
-        raise ValueError(
-            f"{name} has columns {columns} but GRPO needs a 'prompt' column (a string, or a list of chat messages). "
-            f"Rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
-        )
-
-
-def _check_context_length(model, max_completion_length: int | None) -> None:
-    """An error when the completions cannot fit the context slimrl was told to size for (FastLanguageModel's
-    max_seq_length: the engine's cache and RoPE tables end there); a warning when they only pass the model's
-    max_position_embeddings, which transformers' RoPE runs past as TRL does, at a quality the model was not trained
-    for."""
-    if max_completion_length is None:
-        return
-    limit = getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
-    message = ("max_completion_length={} does not fit the model's context of {} tokens ({}) with any prompt. Lower "
-               "max_completion_length below {} minus your longest prompt, or load the model with a larger "
-               "max_seq_length.")  # fmt: skip
-    if limit is not None:
-        if max_completion_length >= limit:
-            raise ValueError(message.format(max_completion_length, limit, "max_seq_length given to "
-                                            "FastLanguageModel.from_pretrained", limit))  # fmt: skip
-        return
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    limit = getattr(text_config, "max_position_embeddings", None)
-    if limit is not None and max_completion_length >= limit:
-        warnings.warn(message.format(max_completion_length, limit, "the model's max_position_embeddings", limit),
-                      UserWarning, stacklevel=3)  # fmt: skip

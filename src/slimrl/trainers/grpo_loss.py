@@ -41,6 +41,28 @@ class PolicyLossSettings:
     off_policy_mask_threshold: float | None
     apply_vllm_is_ratio: bool
 
+    @classmethod
+    def from_trainer(cls, trainer) -> PolicyLossSettings:
+        """The settings of a TRL GRPOTrainer (its attributes where TRL resolved them, else its args)."""
+        args = trainer.args
+        return cls(
+            loss_type=trainer.loss_type,
+            importance_sampling_level=trainer.importance_sampling_level,
+            epsilon_low=trainer.epsilon_low,
+            epsilon_high=trainer.epsilon_high,
+            delta=args.delta,
+            beta=trainer.beta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+            apply_vllm_is_ratio=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+        )
+
 
 @dataclass
 class ChunkLossTerms:
@@ -113,6 +135,45 @@ def off_policy_mask(
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
+def importance_log_weights(
+    level: str,
+    log_ratio: torch.Tensor,  # [B, T] log pi / pi_old per token
+    mask: torch.Tensor,  # [B, T]
+) -> torch.Tensor:  # [B, T] ("token") or [B, 1] ("sequence")
+    """log of the importance ratio: per token, or the masked mean over each sequence (GSPO's sequence level)."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"Unknown importance_sampling_level {level!r}; use 'token' or 'sequence'.")
+
+
+def surrogate_loss(
+    settings: PolicyLossSettings,
+    coef_1: torch.Tensor,  # [B, T] or [B, 1] importance ratio
+    logps: torch.Tensor,  # [B, T]
+    log_ratio: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, 1] or [B, T]
+    mask: torch.Tensor,  # [B, T]
+    is_ratio: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-token loss of the loss type before masks and KL, the ratio TRL's clipping metrics read, VESPO's phi)."""
+    loss_type = settings.loss_type
+    if loss_type == "cispo":
+        return -torch.clamp(coef_1, max=settings.epsilon_high).detach() * advantages * logps, coef_1, None
+    if loss_type in CLIPPED_LOSSES:
+        coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        kept_coef = coef_1 if settings.delta is None else torch.clamp(coef_1, max=settings.delta)  # two-sided clip
+        return -torch.min(kept_coef * advantages, coef_2 * advantages), kept_coef, None
+    if loss_type == "sapo":
+        temperature = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
+        return -torch.sigmoid(temperature * (coef_1 - 1)) * 4 / temperature * advantages, coef_1, None
+    if loss_type == "vespo":
+        phi_seq = gamma_weights(settings, advantages, log_ratio, mask, is_ratio)
+        return -phi_seq * advantages * logps, coef_1, phi_seq
+    raise ValueError(f"Unknown loss type {loss_type!r}; slimrl supports {', '.join(LOSS_TYPES)}.")
+
+
 def policy_loss_terms(
     settings: PolicyLossSettings,
     logps: torch.Tensor,  # [B, T] log-probs under the current policy (with grad)
@@ -127,15 +188,7 @@ def policy_loss_terms(
 ) -> ChunkLossTerms:
     """Per-token loss of every GRPO variant TRL 1.16 implements, with the same formulas and clamps."""
     log_ratio = logps - old_logps  # [B, T]
-    if settings.importance_sampling_level == "token":
-        log_weights = log_ratio
-    elif settings.importance_sampling_level == "sequence":
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
-    else:
-        raise ValueError(
-            f"Unknown importance_sampling_level {settings.importance_sampling_level!r}; use 'token' or 'sequence'."
-        )
-    coef_1 = torch.exp(log_weights)
+    coef_1 = torch.exp(importance_log_weights(settings.importance_sampling_level, log_ratio, mask))
 
     per_token_kl = None
     if settings.beta != 0.0:
@@ -144,25 +197,7 @@ def policy_loss_terms(
         if settings.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    phi_seq = None
-    loss_type = settings.loss_type
-    kept_coef = coef_1  # the ratio TRL's clipping metrics read: after the delta clamp where one applies
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=settings.epsilon_high).detach() * advantages * logps
-    elif loss_type in CLIPPED_LOSSES:
-        coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
-        if settings.delta is not None:  # two-sided clipping
-            kept_coef = torch.clamp(coef_1, max=settings.delta)
-        per_token_loss = -torch.min(kept_coef * advantages, coef_2 * advantages)
-    elif loss_type == "sapo":
-        temperature = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(temperature * (coef_1 - 1)) * 4 / temperature * advantages
-    elif loss_type == "vespo":
-        phi_seq = gamma_weights(settings, advantages, log_ratio, mask, is_ratio)
-        per_token_loss = -phi_seq * advantages * logps
-    else:
-        raise ValueError(f"Unknown loss type {loss_type!r}; slimrl supports {', '.join(LOSS_TYPES)}.")
-
+    per_token_loss, kept_coef, phi_seq = surrogate_loss(settings, coef_1, logps, log_ratio, advantages, mask, is_ratio)
     if settings.off_policy_mask_threshold is not None:
         reference = old_logps if sampling_logps is None else sampling_logps
         per_token_loss = per_token_loss * off_policy_mask(
@@ -170,7 +205,7 @@ def policy_loss_terms(
         )
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if settings.apply_vllm_is_ratio and loss_type != "vespo":
+    if settings.apply_vllm_is_ratio and settings.loss_type != "vespo":
         per_token_loss = per_token_loss * is_ratio
     if per_token_kl is not None:
         per_token_loss = per_token_loss + settings.beta * per_token_kl

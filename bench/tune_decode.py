@@ -1,0 +1,346 @@
+"""Tune the fused decode kernels' launch settings (`fused_ops.KernelChoice`) at W1's shapes, one launch at a time.
+
+For each projection group (qkv, o, gate_up, down) and decode row count (8, 64, 256: row buckets 16, 64, 256) every
+candidate of TUNE_CANDIDATES runs on one layer's worth of random projections shaped as W1's (bf16 weights, q/k/v
+biases as Qwen2's, fp32 LoRA r=64 as peft gives it, TF32 adapters as the engine runs them). Its output is first
+compared with the unfused reference (`model.reference`: the projections with peft's LoRA math, RoPE, the cache's own
+column write): a candidate whose largest error exceeds TOLERANCE of the largest reference magnitude is WRONG and cannot
+be chosen (one that fails to compile or run is ERR). Checked candidates are timed as CUDA-graph replays
+(`triton.testing.do_bench_cudagraph`); the fastest per group and row bucket replaces that entry of the GPU's current
+settings (`fused_ops.choices_for`), the whole set is checked again at every row count, and only then written with
+`fused_ops.save_choices` to --choices (default `fused_ops.tuned_path(<GPU name>)`, the file the engine loads at run
+time; on the GPU machine pass a path under $OUT to get it back). The JSON holds every timing and the chosen set.
+
+The decode attention kernel's (block_s, num_warps) candidates are checked against SDPA and timed the same way at W2's
+mean context (3/4 of the cache's columns live); the engine's attention launch settings are not in the tuned file
+(see `runner.Runner._attention_kernel`), so these are reported only.
+
+A launch timed alone is not a decode step: confirm a new setting in the step with
+`bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` (with PDL, a step can rank settings differently).
+
+    python bench/tune_decode.py [$OUT/tune_decode.json] [--groups qkv o gate_up down attention] [--rows 8 64 256]
+                                [--choices PATH] [--tiny]
+
+--tiny: a small layer (hidden 96, 4 heads of 32, 2 kv heads, intermediate 80, LoRA r=8) on the CPU in Triton's
+interpreter (set TRITON_INTERPRET=1): the candidates' checks and the choosing run, the times are one wall-clock call
+each and mean nothing, and nothing is written unless --choices is given. Exit status 1 when a chosen set fails its
+check, a group and row count has no correct candidate, or something raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # a test loads this file by path
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import W1_LORA_RANK, W1_SHAPE, Report, default_output, environment, recorded  # noqa: E402
+
+GROUPS = ("qkv", "o", "gate_up", "down")
+# (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); for qkv block_n = columns per RoPE half.
+# block_m 0 = up to 64 rows by the row count; per_sm > 0 spreads the columns over that many programs per SM.
+TUNE_CANDIDATES = {
+    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 16, 128, 4, 3, 0, 0, 2),
+            (True, 16, 128, 4, 3, 0, 0, 3), (True, 16, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2),
+            (True, 32, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4), (True, 32, 64, 4, 4, 0, 0, 3)],
+    "o": [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3), (True, 16, 128, 4, 4, 0, 0, 2), (True, 16, 128, 4, 4, 0, 0, 3),
+          (True, 16, 128, 4, 4, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2), (True, 32, 128, 4, 3, 0, 0, 4),
+          (True, 64, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4)],
+    "gate_up": [(True, 64, 64, 4, 4), (True, 64, 64, 4, 3, 0, 2), (False, 128, 64, 4, 3), (False, 64, 64, 4, 3),
+                (True, 64, 64, 4, 4, 0, 0, 2), (True, 64, 64, 4, 4, 0, 0, 3), (True, 32, 64, 4, 4, 0, 0, 2),
+                (True, 32, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 2), (True, 128, 64, 8, 3, 0, 0, 2),
+                (True, 128, 64, 8, 3, 0, 0, 4), (True, 64, 64, 8, 3, 0, 0, 2)],
+    "down": [(False, 64, 64, 4, 3), (False, 32, 64, 4, 3), (True, 16, 128, 4, 4, 0, 0, 4),
+             (True, 16, 128, 4, 4, 0, 0, 8), (True, 32, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 8),
+             (True, 64, 128, 4, 3, 0, 0, 8), (True, 32, 64, 4, 4, 0, 0, 8), (True, 64, 64, 4, 4, 0, 0, 4),
+             (True, 64, 128, 4, 3, 0, 0, 4)],
+}  # fmt: skip
+ATTENTION_CANDIDATES = [(64, 4), (128, 4), (128, 8), (32, 4)]  # (block_s, num_warps)
+# largest error over the largest reference magnitude, bf16 outputs with TF32 adapters (measured on the H100: 0.6%)
+TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The shapes of one decoder layer's decode step."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rank: int
+    cache_len: int = 512
+
+
+W1_LAYER = Layer(W1_SHAPE["hidden_size"], W1_SHAPE["num_attention_heads"], W1_SHAPE["num_key_value_heads"],
+                 W1_SHAPE["hidden_size"] // W1_SHAPE["num_attention_heads"], W1_SHAPE["intermediate_size"],
+                 W1_LORA_RANK)  # fmt: skip
+TINY_LAYER = Layer(hidden=96, heads=4, kv_heads=2, head_dim=32, intermediate=80, rank=8, cache_len=24)
+
+
+def layer_case(layer: Layer, rows: int, device) -> dict:
+    """Random projections of one layer (bf16 weights, q/k/v biases, fp32 LoRA with non-zero B, scale 1) and the inputs
+    of a decode step of `rows` rows; the same for the same (layer, rows)."""
+    from slimrl.rollout.model.views import LinearSpec
+
+    g = torch.Generator(device=device).manual_seed(rows)
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, generator=g, device=device) * std
+
+    def spec(out_features, in_features, bias=False):
+        weight = randn(out_features, in_features, std=in_features**-0.5).bfloat16()
+        lora = (randn(layer.rank, in_features, std=in_features**-0.5), randn(out_features, layer.rank, std=0.05), 1.0)
+        return LinearSpec(None, weight, randn(out_features, std=0.1).bfloat16() if bias else None, (lora,))
+
+    width, dim = layer.heads * layer.head_dim, layer.head_dim
+    qkv = [spec(n * dim, layer.hidden, bias=True) for n in (layer.heads, layer.kv_heads, layer.kv_heads)]
+    gate, up = spec(layer.intermediate, layer.hidden), spec(layer.intermediate, layer.hidden)
+    angles = torch.rand(rows, dim // 2, generator=g, device=device) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    return {"rows": rows, "qkv": qkv, "o": spec(layer.hidden, width), "gate_up": (gate, up),
+            "down": spec(layer.hidden, layer.intermediate), "h": randn(rows, layer.hidden).bfloat16(),
+            "attn": randn(rows, width).bfloat16(), "act": (randn(rows, layer.intermediate) * 0.3).bfloat16(),
+            "cos": cos, "sin": sin, "column": torch.tensor([layer.cache_len * 3 // 5], device=device)}  # fmt: skip
+
+
+def reference(layer: Layer, case: dict) -> dict:
+    """Each group's outputs by the unfused path (peft's LoRA math, RoPE, the cache's own column write)."""
+    from slimrl.rollout.kv_cache import StaticKVCache
+    from slimrl.rollout.model.reference import add_lora_, project, qk_norm_rope, silu_mul
+
+    rows, dim, h = case["rows"], layer.head_dim, case["h"]
+    cache = StaticKVCache(1, rows, layer.kv_heads, layer.cache_len, dim, torch.bfloat16, h.device)
+    with torch.no_grad():
+        query, key, value = project(h, case["qkv"], add_lora_)
+        query, key = qk_norm_rope(query.view(rows, layer.heads, dim), key.view(rows, layer.kv_heads, dim), None, None,
+                                  case["cos"], case["sin"])  # fmt: skip
+        cache.write_column(0, case["column"], key, value.view(rows, layer.kv_heads, dim))
+        return {"qkv": (query.reshape(rows, -1), cache.keys[0], cache.values[0]),
+                "o": (project(case["attn"], (case["o"],), add_lora_)[0],),
+                "gate_up": (silu_mul(*project(h, case["gate_up"], add_lora_)),),
+                "down": (project(case["act"], (case["down"],), add_lora_)[0],)}  # fmt: skip
+
+
+def fused_call(layer: Layer, case: dict, group: str, choices: dict, ordered: bool = False):
+    """A callable running `group`'s fused op (with its LoRA shrink) as a decode step does, returning its outputs in
+    `reference`'s form; each call starts from a zeroed LoRA workspace. ordered: the deterministic engine's path."""
+    from slimrl.rollout.fused_ops import FusedDecode
+    from slimrl.rollout.kernels.lora import GroupedLoRA
+    from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
+
+    rows, h = case["rows"], case["h"]
+    lora = GroupedLoRA(tf32=True, ordered=ordered)
+    ops = FusedDecode(layer.heads, layer.kv_heads, layer.head_dim, lora, tf32=True, ordered=ordered, choices=choices)
+    cache = StaticKVCache(1, rows, layer.kv_heads, layer.cache_len, layer.head_dim, torch.bfloat16, h.device)
+    anchor = torch.zeros(1, dtype=torch.bfloat16, device=h.device)
+    table = torch.tensor(table_entries(cache, anchor), device=h.device)
+    ops.bind(StepContext(table, anchor, case["column"], layer.cache_len, ops.new_scratch()))
+    run = {"qkv": lambda: ops.qkv(0, h, case["qkv"], None, None, case["cos"], case["sin"]),
+           "o": lambda: ops.linear(case["attn"], case["o"], "o"),
+           "gate_up": lambda: ops.gate_up(h, *case["gate_up"], case["down"]),  # as the engine: with down's shrink
+           "down": lambda: ops.linear(case["act"], case["down"], "down")}[group]  # fmt: skip
+
+    def call():
+        lora.begin(rows, 4, layer.rank, h.device)
+        out = run()
+        if out is None:
+            raise RuntimeError(f"the fused {group} op declined the layer (it would run unfused)")
+        return (out, cache.keys[0], cache.values[0]) if group == "qkv" else (out,)
+
+    return call
+
+
+def relative_error(got, want) -> float:
+    """Largest |got - want| over the largest |want|, the worst of paired tensors."""
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+               for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
+def checked_call(layer: Layer, rows: int, group: str, choices: dict, device, ordered: bool = False):
+    """(relative error against the reference, the callable) of one group's fused op on these settings."""
+    case = layer_case(layer, rows, device)
+    call = fused_call(layer, case, group, choices, ordered)
+    with torch.no_grad():
+        return relative_error(call(), reference(layer, case)[group]), call
+
+
+def group_errors(layer: Layer, rows: int, choices: dict, device, groups=GROUPS, ordered=False) -> dict[str, float]:
+    """Each group's relative error on `choices` at `rows` rows (the check every setting must pass, < TOLERANCE)."""
+    return {group: checked_call(layer, rows, group, choices, device, ordered)[0] for group in groups}
+
+
+def attention_error(layer: Layer, rows: int, device, block_s: int = 64, num_warps: int = 4):
+    """(relative error against SDPA with the additive mask, the callable) of decode attention reading the cache
+    through its address table, with each row's live columns from a random start to 3/4 of the cache."""
+    from slimrl.rollout.kernels.attention import decode_attention
+    from slimrl.rollout.kv_cache import StaticKVCache, table_entries
+
+    g = torch.Generator(device=device).manual_seed(rows)
+    q = torch.randn(rows, layer.heads, layer.head_dim, generator=g, device=device).bfloat16()
+    cache = StaticKVCache(1, rows, layer.kv_heads, layer.cache_len, layer.head_dim, torch.bfloat16, device)
+    keys, values = cache.keys[0].normal_(generator=g), cache.values[0].normal_(generator=g)
+    anchor = torch.zeros(1, dtype=torch.bfloat16, device=device)
+    table = torch.tensor(table_entries(cache, anchor), device=device)
+    starts = torch.randint(0, layer.cache_len // 8, (rows,), generator=g, device=device)
+    last, scale = layer.cache_len * 3 // 4 - 1, layer.head_dim**-0.5
+    end = torch.tensor([last], device=device)
+    columns = torch.arange(layer.cache_len, device=device)
+    live = (columns[None] >= starts[:, None]) & (columns[None] <= last)
+    mask = torch.zeros(live.shape, device=device).masked_fill_(~live, float("-inf")).bfloat16()[:, None, None]
+    k, v = (t.repeat_interleave(layer.heads // layer.kv_heads, 1) for t in (keys, values))
+    want = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]
+
+    def call():
+        return decode_attention(q, keys, values, starts, end, scale, 0, table, anchor, block_s, num_warps)
+
+    return relative_error((call(),), (want,)), call
+
+
+def time_us(call) -> float:
+    """Microseconds per call: CUDA-graph replays on a GPU; one wall-clock call elsewhere (the interpreter)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench_cudagraph
+
+        with torch.no_grad():
+            return round(1000 * do_bench_cudagraph(call, rep=30), 2)
+    start = time.perf_counter()
+    call()
+    return round(1e6 * (time.perf_counter() - start), 2)
+
+
+def measure(report: dict, key: str, check) -> float | None:
+    """Check, then time, one candidate (`check()` gives its error and callable): its time, or None when it is wrong
+    or fails (recorded as WRONG / ERR under `key`)."""
+    try:
+        error, call = check()
+        report[key] = time_us(call)
+        if not error < TOLERANCE:  # a wrong kernel is no candidate, however fast (NaN is wrong too)
+            report[key] = f"WRONG relative error {error:.3g} ({report[key]} us)"
+    except Exception as err:  # noqa: BLE001 - a setting that does not compile or run is reported, not chosen
+        report[key] = f"ERR {type(err).__name__}: {str(err)[:160]}"
+    print(key, report[key], flush=True)
+    return report[key] if isinstance(report[key], float) else None
+
+
+def candidate(settings: tuple):
+    """The KernelChoice of a TUNE_CANDIDATES entry (fields past its length at their defaults)."""
+    from slimrl.rollout.fused_ops import KernelChoice
+
+    return KernelChoice(*settings, *dataclasses.astuple(KernelChoice())[len(settings) :])
+
+
+def candidate_key(group: str, rows: int, c) -> str:
+    return (f"{group}_B{rows}_{'gemm' if c.gemm else 'cublas'}_n{c.block_n}_k{c.block_k}_w{c.num_warps}_s{c.num_stages}"
+            f"_m{c.block_m}_p{c.per_sm}_x{c.split_k}")  # fmt: skip
+
+
+def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings: dict) -> dict:
+    """{(group, row bucket): (us, KernelChoice)} of the fastest checked candidate; every candidate into `timings`."""
+    from slimrl.rollout.fused_ops import ROW_BUCKETS
+
+    best = {}
+    for rows in row_counts:
+        bucket = min(b for b in ROW_BUCKETS if b >= rows)
+        for group in (g for g in GROUPS if g in groups):
+            for settings in TUNE_CANDIDATES[group]:
+                choice, choices = candidate(settings), copy.deepcopy(current)
+                choices[group] = {b: choice for b in ROW_BUCKETS}
+
+                def check(rows=rows, group=group, choices=choices):
+                    return checked_call(layer, rows, group, choices, device)
+
+                took = measure(timings, candidate_key(group, rows, choice), check)
+                if took is not None and took < best.get((group, bucket), (float("inf"),))[0]:
+                    best[group, bucket] = (took, choice)
+    return best
+
+
+def tune_attention(layer: Layer, row_counts, device, timings: dict) -> dict:
+    """{rows: fastest checked (block_s, num_warps)}; every candidate into `timings`."""
+    fastest = {}
+    for rows in row_counts:
+        for block_s, warps in ATTENTION_CANDIDATES:
+            key = f"attention_B{rows}_s{block_s}_w{warps}"
+            took = measure(timings, key, lambda r=rows, s=block_s, w=warps: attention_error(layer, r, device, s, w))
+            if took is not None and took < fastest.get(rows, (float("inf"),))[0]:
+                fastest[rows] = (took, {"block_s": block_s, "num_warps": warps})
+    return {f"B{rows}": {"us": us, **settings} for rows, (us, settings) in fastest.items()}
+
+
+def choose(report: Report, layer: Layer, args, current: dict, best: dict, device) -> dict | None:
+    """The current settings with each tuned (group, bucket) replaced by its fastest candidate, if the whole set
+    passes the check at every tuned row count, on the ordinary and the deterministic path (else None, a problem)."""
+    from slimrl.rollout.fused_ops import ROW_BUCKETS
+
+    tuned_groups = [g for g in GROUPS if g in args.groups]
+    for rows in args.rows:
+        bucket = min(b for b in ROW_BUCKETS if b >= rows)
+        missing = [g for g in tuned_groups if (g, bucket) not in best]
+        if missing:
+            report["problems"].append(f"no correct candidate for {missing} at {rows} rows: kept the current setting")
+    chosen = copy.deepcopy(current)
+    for (group, bucket), (_, choice) in best.items():
+        chosen[group][bucket] = choice
+    report["chosen"] = {f"{g}@{b}": dataclasses.asdict(c) for g, bs in chosen.items() for b, c in bs.items()}
+    report["chosen_check"] = check = {f"B{rows}{'_ordered' if ordered else ''}": group_errors(  # deterministic too
+        layer, rows, chosen, device, ordered=ordered) for rows in args.rows for ordered in (False, True)}  # fmt: skip
+    worst = max((e for errors in check.values() for e in errors.values()), default=0.0)
+    if not worst < TOLERANCE:
+        report["problems"].append(f"the chosen settings fail their check (relative error {worst:.3g}): not written")
+        return None
+    return chosen
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", nargs="?", default=default_output("tune_decode.json"))
+    parser.add_argument("--groups", nargs="+", default=[*GROUPS, "attention"], choices=[*GROUPS, "attention"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="decode row counts to tune at")
+    parser.add_argument("--choices", help="where to write the chosen settings (default: the GPU's tuned file)")
+    parser.add_argument("--tiny", action="store_true", help="a small layer, for a CPU run in Triton's interpreter")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> Report:
+    from slimrl.rollout.fused_ops import choices_for, save_choices, tuned_path
+
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device, layer = torch.device("cuda" if cuda else "cpu"), TINY_LAYER if args.tiny else W1_LAYER
+    report = Report(args.out, **environment(cuda), layer=dataclasses.asdict(layer), rows=args.rows,
+                    command=shlex.join(["bench/tune_decode.py", *(sys.argv[1:] if argv is None else argv)]),
+                    tolerance=TOLERANCE, timings_us={})  # fmt: skip
+    current, current_path = choices_for(device)
+    report["started_from"] = current_path.name
+    best, chosen = {}, None
+    with recorded(report, "groups"):
+        best = tune_groups(layer, args.groups, args.rows, current, device, report["timings_us"])
+    if "attention" in args.groups:
+        with recorded(report, "attention"):
+            report["attention_fastest"] = tune_attention(layer, args.rows, device, report["timings_us"])
+    report["wrong_candidates"] = [k for k, v in report["timings_us"].items() if str(v).startswith("WRONG")]
+    with recorded(report, "choose"):
+        chosen = choose(report, layer, args, current, best, device)
+    path = args.choices or (tuned_path(report["gpu"]) if cuda and not args.tiny else None)
+    if best and chosen is not None and path is not None and not report["problems"]:
+        save_choices(Path(path), chosen, report["gpu"], written_by="bench/tune_decode.py (the fastest checked "
+                     f"candidate per group and row bucket, launch by launch, rows {args.rows})",
+                     measured=Path(args.out).name)  # fmt: skip
+        report["choices_written"] = str(path)
+    report.save()
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main().exit_status())

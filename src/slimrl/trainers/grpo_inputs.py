@@ -1,0 +1,62 @@
+"""What GRPOTrainer checks in its inputs that TRL lets through: the dataset and the context length (at
+construction), and which batches are multimodal (those run through TRL's one-piece loss)."""
+
+from __future__ import annotations
+
+import warnings
+
+# Inputs that make a batch multimodal: chunking those needs per-image bookkeeping, so TRL's one-piece loss runs them.
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def is_multimodal(values) -> bool:
+    return any(values.get(key) is not None for key in MULTIMODAL_KEYS)
+
+
+def check_dataset(dataset, name: str, has_environments: bool = False) -> None:
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):  # a DatasetDict passed where a split was expected
+        raise ValueError(
+            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
+        )
+    # with environment_factory an environment may produce the prompt (TRL's datasets then carry `environment`)
+    if columns is not None and "prompt" not in columns and not has_environments:
+        raise ValueError(
+            f"{name} has columns {columns} but GRPO needs a 'prompt' column (a string, or a list of chat messages). "
+            f"Rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
+        )
+
+
+def check_context_length(model, max_completion_length: int | None) -> None:
+    """An error when the completions cannot fit the context slimrl was told to size for (FastLanguageModel's
+    max_seq_length: the engine's cache and RoPE tables end there); a warning when they only pass the model's
+    max_position_embeddings, which transformers' RoPE runs past as TRL does, at a quality the model was not trained
+    for."""
+    if max_completion_length is None:
+        return
+    limit = getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
+    message = ("max_completion_length={} does not fit the model's context of {} tokens ({}) with any prompt. Lower "
+               "max_completion_length below {} minus your longest prompt, or load the model with a larger "
+               "max_seq_length.")  # fmt: skip
+    if limit is not None:
+        if max_completion_length >= limit:
+            raise ValueError(message.format(max_completion_length, limit, "max_seq_length given to "
+                                            "FastLanguageModel.from_pretrained", limit))  # fmt: skip
+        return
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if limit is not None and max_completion_length >= limit:
+        warnings.warn(message.format(max_completion_length, limit, "the model's max_position_embeddings", limit),
+                      UserWarning, stacklevel=3)  # fmt: skip

@@ -1,0 +1,73 @@
+"""bench/tune_decode.py on a small layer (in Triton's interpreter on the CPU): every candidate is checked against the
+unfused reference before it is timed, a wrong one is never chosen, and the chosen set is checked again and written
+in the format the engine loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "tune_decode.py"
+
+
+@pytest.fixture(scope="module")
+def tuner():
+    spec = importlib.util.spec_from_file_location("bench_tune_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def shipped_choices() -> dict:
+    from slimrl.rollout.fused_ops import choices_for
+
+    return choices_for(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
+
+
+def test_the_check_measures_the_fused_ops_against_the_reference(tuner):
+    device, choices = "cuda" if torch.cuda.is_available() else "cpu", shipped_choices()
+    case = tuner.layer_case(tuner.TINY_LAYER, 5, device)
+    want = tuner.reference(tuner.TINY_LAYER, case)
+    for group in tuner.GROUPS:
+        got = tuner.fused_call(tuner.TINY_LAYER, case, group, choices)()
+        assert tuner.relative_error(got, want[group]) < tuner.TOLERANCE, group
+        assert tuner.relative_error([t * 1.1 for t in got], want[group]) > 0.05, "a 10% error must show"
+    error, _ = tuner.attention_error(tuner.TINY_LAYER, 5, device, block_s=32, num_warps=4)
+    assert error < tuner.TOLERANCE
+
+
+def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, tmp_path, monkeypatch):
+    from slimrl.rollout.fused_ops import load_choices
+
+    monkeypatch.setitem(tuner.TUNE_CANDIDATES, "o", [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3)])
+    monkeypatch.setitem(tuner.TUNE_CANDIDATES, "down", [(False, 64, 64, 4, 3), (True, 32, 128, 4, 3, 0, 0, 4)])
+    real = tuner.fused_call
+
+    def wrong_for_wide_tiles(layer, case, group, choices, ordered=False):
+        call = real(layer, case, group, choices, ordered)
+        if group == "o" and choices["o"][16].block_n == 64:  # this candidate's "kernel" is off by 10%
+            return lambda: tuple(t * 1.1 for t in call())
+        return call
+
+    monkeypatch.setattr(tuner, "fused_call", wrong_for_wide_tiles)
+    out, written = tmp_path / "tune.json", tmp_path / "tuned.json"
+    report = tuner.main([str(out), "--tiny", "--groups", "o", "down", "attention", "--rows", "5", "--choices",
+                         str(written)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["problems"] == [] and report.exit_status() == 0, saved.get("errors")
+    assert saved["wrong_candidates"] == ["o_B5_gemm_n64_k128_w4_s3_m0_p0_x1"]
+    assert saved["timings_us"]["o_B5_gemm_n64_k128_w4_s3_m0_p0_x1"].startswith("WRONG relative error 0.1")
+    chosen = load_choices(written)
+    assert chosen["o"][16].block_n == 16, "the only correct candidate for o"
+    assert (chosen["down"][16].gemm, chosen["down"][16].block_n) in ((False, 64), (True, 32))
+    assert chosen["qkv"] == shipped_choices()["qkv"], "groups not tuned keep their settings"
+    assert set(saved["attention_fastest"]["B5"]) == {"us", "block_s", "num_warps"}
+    assert all(e < tuner.TOLERANCE for errors in saved["chosen_check"].values() for e in errors.values())
+    assert {"B5", "B5_ordered"} == set(saved["chosen_check"])
+
