@@ -152,10 +152,13 @@ def w1_config(tiny: bool = False, context: int = 32768, **overrides):
 
 
 def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0, context: int = 32768,
-             lora_rank: int | None = W1_LORA_RANK, lora_b_std: float | None = None):  # fmt: skip
+             lora_rank: int | None = W1_LORA_RANK, lora_b_std: float | None = None,
+             reseed_adapter: bool = True):  # fmt: skip
     """W1's model with random weights from `seed` (bf16 by default) and, unless lora_rank is None, peft LoRA on all
     linear layers (alpha = rank, dropout 0; lora_A from the same seed, so two sides of a run get the same adapter);
-    lora_b_std: B drawn from N(0, std^2) so the adapter changes the outputs (peft starts B at zero)."""
+    lora_b_std: B drawn from N(0, std^2) so the adapter changes the outputs (peft starts B at zero).
+    reseed_adapter=False draws lora_A where the weights' initialisation left the generator (W1's recorded runs in
+    docs/bench/w1_*.json were made that way)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
@@ -169,7 +172,8 @@ def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0
     if lora_rank is None:
         return model
     rank = min(lora_rank, 8) if tiny else lora_rank
-    torch.manual_seed(seed)
+    if reseed_adapter:
+        torch.manual_seed(seed)
     lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     if lora_b_std is not None:
