@@ -13,43 +13,66 @@ from slimrl.ops.attention_backends import ALLOW_ENV, training_attention
 from tests.trainers.grpo_harness import build_trainer, zero_reward
 
 
-@pytest.mark.parametrize("before", [True, False])
-def test_training_attention_turns_cudnn_off_and_restores_the_setting(before):
-    torch.backends.cuda.enable_cudnn_sdp(before)
+def recording_sdpa(monkeypatch) -> list[tuple[bool, bool]]:
+    """Replace F.scaled_dot_product_attention by a spy (before slimrl wraps it) that records, per call, whether a mask
+    was passed and whether cuDNN's backend was enabled during the call."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        calls.append((attn_mask is not None, torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_masked_calls_run_without_cudnn_and_the_rest_as_before(monkeypatch):
+    calls = recording_sdpa(monkeypatch)
+    spy = F.scaled_dot_product_attention
+    q = k = v = torch.randn(1, 2, 4, 8)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    with training_attention():
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, mask)  # positional mask
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with training_attention():  # nested: wrapped once
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "the flag is off only during a masked call"
+    assert calls == [(True, False), (True, False), (False, True), (True, False)]
+    assert F.scaled_dot_product_attention is spy, "the function comes back after the step"
+    torch.backends.cuda.enable_cudnn_sdp(False)  # a user who turned cuDNN off keeps it off
     try:
         with training_attention():
-            assert not torch.backends.cuda.cudnn_sdp_enabled()
-            with training_attention():  # nested: still off, and the outer block's state survives the inner exit
-                pass
-            assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.cudnn_sdp_enabled() is before
-        with pytest.raises(RuntimeError), training_attention():
-            raise RuntimeError("a failing step")
-        assert torch.backends.cuda.cudnn_sdp_enabled() is before
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+    with pytest.raises(RuntimeError), training_attention():
+        raise RuntimeError("a failing step")
+    assert F.scaled_dot_product_attention is spy and torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_the_environment_can_leave_cudnn_on(monkeypatch):
     monkeypatch.setenv(ALLOW_ENV, "1")
+    calls = recording_sdpa(monkeypatch)
     with training_attention():
-        assert torch.backends.cuda.cudnn_sdp_enabled()
+        F.scaled_dot_product_attention(*(torch.randn(1, 2, 4, 8),) * 3, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    assert calls == [(True, True)]
 
 
-def test_every_forward_and_backward_of_a_training_step_runs_without_cudnn():
-    """The scoring passes, the chunked forward and the backward of a GRPO step (the last chunk's backward runs in
-    HF Trainer's training_step, after compute_loss) all see cuDNN's SDPA off; the setting is back on afterwards."""
-    trainer = build_trainer("slimrl", reward_funcs=zero_reward, max_steps=1, num_chunks=2, max_completion_length=4)
-    seen = []
-    layer = trainer.model.get_base_model().model.layers[0].self_attn
+def test_every_masked_attention_of_a_training_step_runs_without_cudnn(monkeypatch):
+    """The scoring passes, the chunked forward and the backward of a GRPO step (prompts of different lengths, so
+    left-padded: transformers passes a mask) all call SDPA with cuDNN off; the setting is back on afterwards."""
+    from datasets import Dataset
 
-    def record(*args):
-        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-
-    layer.register_forward_hook(lambda module, inputs, output: record())
-    layer.register_full_backward_hook(lambda module, grad_in, grad_out: record())
+    calls = recording_sdpa(monkeypatch)
+    prompts = Dataset.from_list([{"prompt": "What is " + "1 + " * (i % 4) + "2?"} for i in range(16)])
+    trainer = build_trainer("slimrl", reward_funcs=zero_reward, dataset=prompts, max_steps=1, num_chunks=2,
+                            max_completion_length=4)  # fmt: skip
     trainer.train()
-    assert len(seen) > 4 and not any(seen), seen
+    masked = [cudnn for has_mask, cudnn in calls if has_mask]
+    assert len(masked) > 4 and not any(masked), calls
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 

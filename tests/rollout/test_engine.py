@@ -207,6 +207,11 @@ def test_release_frees_the_cache_and_the_next_rollout_allocates_again():
 # -- what the engine runs ---------------------------------------------------------------------------------------------
 
 
+INTERPRETER_ONLY = ("runs the kernels in the interpreter on a CPU model; on CUDA they are covered at W1's shapes "
+                    "(kernels/test_w1_shapes.py) and through the engine (test_fused_ops.py)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
 def test_triton_lora_matches_generate(arch):
     # the grouped LoRA kernels of CUDA (two launches per group of projections sharing an input), here in Triton's
     # interpreter

@@ -11,7 +11,9 @@ import torch
 from slimrl.rollout import fused_ops
 from slimrl.rollout.engine import RolloutEngine
 from slimrl.rollout.options import EngineOptions
-from tests.rollout.helpers import build
+from tests.rollout.helpers import KERNEL_DEVICE, build
+
+DEVICE = torch.device(KERNEL_DEVICE)  # the Triton flags need CUDA, or the interpreter on a machine without it
 
 
 def test_cpu_defaults_are_the_plain_eager_path():
@@ -25,14 +27,17 @@ def test_impossible_settings_name_the_flag():
     with pytest.raises(ValueError, match="cuda_graphs and compile need the model on a CUDA device"):
         EngineOptions(cuda_graphs=True).resolve(torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="fused_decode=True needs triton_lora=True"):
-        EngineOptions(fused_decode=True, triton_lora=False).resolve(torch.device("cpu"), torch.float32)
+        EngineOptions(fused_decode=True, triton_lora=False).resolve(DEVICE, torch.float32)
 
 
 def test_fused_decode_loads_the_tuned_settings_and_describe_reports_them():
-    engine = RolloutEngine(build("llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1),
-                           triton_lora=True, fused_decode=True, deterministic=True)  # fmt: skip
+    model = build("llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1).to(DEVICE)
+    engine = RolloutEngine(model, triton_lora=True, fused_decode=True, deterministic=True)
     described = engine.describe()
-    assert described["choices_file"] == "NVIDIA_H100_80GB_HBM3.json"  # the fallback GPU's, in the interpreter
+    gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else fused_ops.FALLBACK_GPU
+    own = fused_ops.tuned_path(gpu)
+    fallback = fused_ops.tuned_path(fused_ops.FALLBACK_GPU)
+    assert described["choices_file"] == (own if own.is_file() else fallback).name
     assert described["kernel_choices"]["down@64"]["split_k"] == 4
     assert described["deterministic"] and described["head_dim"] == 32 and described["kv_cache_bytes"] == 0
 
@@ -52,5 +57,5 @@ def test_explicit_kernel_choices_replace_the_tuned_ones():
     choices, _ = fused_ops.choices_for(torch.device("cpu"))
     choices["o"][64] = dataclasses.replace(choices["o"][64], block_n=64)
     options = EngineOptions(triton_lora=True, fused_decode=True, kernel_choices=choices)
-    resolved = options.resolve(torch.device("cpu"), torch.float32)
+    resolved = options.resolve(DEVICE, torch.float32)
     assert resolved.kernel_choices["o"][64].block_n == 64 and resolved.choices_file is None

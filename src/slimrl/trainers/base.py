@@ -3,7 +3,7 @@
 `SlimTrainerMixin` goes first in a slimrl trainer's bases (`class GRPOTrainer(SlimTrainerMixin, trl.GRPOTrainer)`)
 and overrides two HF Trainer methods, each keeping the Trainer's contract:
 - `training_step`: runs TRL's step (forward, chunked backward, the scoring passes before it) inside
-  `training_attention()` (cuDNN's SDPA off: its backward returns NaN at some padded shapes, see
+  `training_attention()` (masked SDPA calls off cuDNN: its backward returns NaN at some padded shapes, see
   `slimrl.ops.attention_backends`), then, at the step's last micro-batch, checks that the losses and the gradient are
   finite before the Trainer lets the optimizer write the weights (`finite.py`). Returns the loss tensor, as TRL's.
 - `save_model`: refuses to write non-finite trainable weights (a checkpoint calls it before writing anything else).
