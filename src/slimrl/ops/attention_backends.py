@@ -32,7 +32,7 @@ ALLOW_ENV = "SLIMRL_ALLOW_CUDNN_SDPA"
 
 
 def cudnn_sdpa_avoided() -> bool:
-    """Whether `training_attention` keeps masked SDPA calls off cuDNN (the default, unless SLIMRL_ALLOW_CUDNN_SDPA=1)."""
+    """Whether `training_attention` keeps masked SDPA calls off cuDNN (unless SLIMRL_ALLOW_CUDNN_SDPA=1)."""
     return os.environ.get(ALLOW_ENV) != "1"
 
 
