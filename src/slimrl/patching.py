@@ -25,12 +25,39 @@ class _Binding:
     slimrl_module: str
 
 
+def _trl_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
+    """A trainer and its config exposed by `trl`, `trl.trainer` and their own modules (trl/trainer/<key>_*.py)."""
+    where = ("trl", "trl.trainer")
+    module = f"slimrl.trainers.{key}"
+    return (
+        _Binding(trainer, (*where, f"trl.trainer.{key}_trainer"), module),
+        _Binding(config, (*where, f"trl.trainer.{key}_config"), module),
+    )
+
+
+def _experimental_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
+    """A trainer and its config under trl.experimental.<key> (ORPO, CPO in TRL 1.16)."""
+    package = f"trl.experimental.{key}"
+    module = f"slimrl.trainers.{key}"
+    return (
+        _Binding(trainer, (package, f"{package}.{key}_trainer"), module),
+        _Binding(config, (package, f"{package}.{key}_config"), module),
+    )
+
+
 _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "grpo": (
         _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo"),
         _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo_config"),
     ),
+    "sft": _trl_pair("sft", "SFTTrainer", "SFTConfig"),
+    "dpo": _trl_pair("dpo", "DPOTrainer", "DPOConfig"),
+    "kto": _trl_pair("kto", "KTOTrainer", "KTOConfig"),
+    "reward": _trl_pair("reward", "RewardTrainer", "RewardConfig"),
+    "orpo": _experimental_pair("orpo", "ORPOTrainer", "ORPOConfig"),
+    "cpo": _experimental_pair("cpo", "CPOTrainer", "CPOConfig"),
 }
+_ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)
 
 _originals: dict[tuple[str, str], object] = {}  # (trl module, name) -> TRL's object, while patched
 _warned_early_imports: set[str] = set()
@@ -61,7 +88,8 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
     """Make trl's trainer names resolve to slimrl's fast subclasses.
 
     Args:
-        algorithm: one trainer to patch ("grpo", case-insensitive), or None for every trainer slimrl supports.
+        algorithm: one trainer to patch ("grpo", "sft", "dpo", "kto", "orpo", "cpo", "reward"; case-insensitive), or
+            "all" / None for every trainer slimrl supports.
         FastLanguageModel: accepted for compatibility with Unsloth's signature; slimrl's trainers switch the model
             between inference and training themselves.
     """
@@ -91,13 +119,13 @@ def is_patched(algorithm: str) -> bool:
 
 
 def _bindings_for(algorithm: str | None) -> list[_Binding]:
-    if algorithm is None:
+    if algorithm is None or str(algorithm).strip().lower() == _ALL:
         return [binding for bindings in _ALGORITHMS.values() for binding in bindings]
     key = str(algorithm).strip().lower()
     if key not in _ALGORITHMS:
         raise ValueError(
             f"PatchFastRL does not know the algorithm {algorithm!r}. Supported: {', '.join(supported_algorithms())} "
-            "(or None for all of them)."
+            "(or 'all' / None for all of them)."
         )
     return list(_ALGORITHMS[key])
 

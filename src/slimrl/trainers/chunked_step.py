@@ -58,20 +58,26 @@ def plan_chunks(completion_mask: torch.Tensor, num_chunks: int) -> list[Chunk]:
     Rows are grouped by completion length so that each chunk drops as much right padding as possible; the loss is a
     sum over sequences, so the grouping changes nothing but the summation order.
     """
-    num_rows = completion_mask.size(0)
-    num_chunks = max(1, min(int(num_chunks), num_rows))
     # last non-padding column + 1 of each row (0 for an empty completion); computed on the host once per micro-batch
     positions = torch.arange(1, completion_mask.size(1) + 1, device=completion_mask.device)
     lengths = (completion_mask.bool() * positions).amax(dim=1).cpu() if completion_mask.numel() else torch.zeros(0)
+    # At least two columns (when the batch has them): TRL's metrics tell per-sequence tensors ([B, 1]) from
+    # per-token ones by shape, so a per-token tensor must never shrink to one column. It also keeps a graph for
+    # a chunk of empty completions.
+    chunks = plan_by_length(lengths, num_chunks, min_width=min(2, completion_mask.size(1)))
+    return [Chunk(rows=chunk.rows.to(completion_mask.device), width=chunk.width) for chunk in chunks]
+
+
+def plan_by_length(lengths: torch.Tensor, num_chunks: int, min_width: int = 1) -> list[Chunk]:
+    """Split units (sequences, or pairs of them) of these lengths [N] into at most `num_chunks` chunks of near-equal
+    size, grouped by length so each chunk drops as much right padding as possible. Each chunk's width is its longest
+    unit (at least `min_width`). Rows are host tensors."""
+    lengths = lengths.detach().to("cpu", torch.long)
+    num_rows = lengths.numel()
+    num_chunks = max(1, min(int(num_chunks), num_rows))
     order = torch.argsort(lengths, stable=True) if num_chunks > 1 else torch.arange(num_rows)
-    chunks = []
-    for rows in torch.tensor_split(order, num_chunks):
-        # At least two columns (when the batch has them): TRL's metrics tell per-sequence tensors ([B, 1]) from
-        # per-token ones by shape, so a per-token tensor must never shrink to one column. It also keeps a graph for
-        # a chunk of empty completions.
-        width = max(int(lengths[rows].max()), min(2, completion_mask.size(1)))
-        chunks.append(Chunk(rows=rows.to(completion_mask.device), width=width))
-    return chunks
+    return [Chunk(rows=rows, width=max(int(lengths[rows].max()), min_width))
+            for rows in torch.tensor_split(order, num_chunks)]  # fmt: skip
 
 
 def take(tensor: torch.Tensor | None, chunk: Chunk, full_width: int) -> torch.Tensor | None:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 import trl
-from accelerate.utils import DistributedType
 
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_chunks, run_chunks, take
+from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
 from slimrl.trainers.grpo_inputs import check_context_length, check_dataset, is_multimodal
 from slimrl.trainers.grpo_loss import (
@@ -61,7 +61,7 @@ class _MicroBatch:
     entropy_coef: float  # the entropy bonus's coefficient for this micro-batch (0 when the bonus is off)
 
 
-class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
     _tag_names = [*trl.GRPOTrainer._tag_names, "slimrl"]
@@ -76,19 +76,8 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()
         self._choose_generation_backend()
-        self._fallback_reasons_logged: set[str] = set()
         self._phase_start: float | None = None
         self._phase_tokens = 0
-
-    def _apply_memory_savers(self) -> None:
-        """On CUDA: offloaded checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
-        if self.args.use_cpu or not torch.cuda.is_available():
-            return
-        offload = self.args.offload_checkpoints
-        if offload or (offload is None and self.args.gradient_checkpointing):
-            from slimrl.models.checkpointing import enable_offloaded_checkpointing
-
-            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), self.args.mlp_tile_tokens)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
@@ -148,11 +137,6 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         """slimrl's RolloutEngine once it has generated (None before, or with another backend)."""
         return self._rollout_engine
 
-    @property
-    def last_auto_chunks(self) -> int | None:
-        """The chunk count num_chunks="auto" chose for the latest micro-batch (None before any, or on CPU)."""
-        return getattr(self, "_last_auto_chunks", None)
-
     def generate_completion_ids(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list | None]:
         """One completion per token-id prompt from the policy as it is now, by this trainer's backend (slimrl's
         engine, or TRL's path): for a `rollout_func` that runs its own loop. Returns (completion ids, their
@@ -182,11 +166,6 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type {self.loss_type!r} is not supported by slimrl ({', '.join(LOSS_TYPES)}).")
         return None
-
-    def _log_fallback(self, reason: str) -> None:
-        if reason not in self._fallback_reasons_logged:
-            self._fallback_reasons_logged.add(reason)
-            logger.warning("slimrl: running the loss in one piece (TRL's path) because %s.", reason)
 
     def _chunked_loss(self, model, inputs) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
@@ -276,18 +255,6 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, trl.GRPOTrainer):
         stats.update(chunk_metrics(self.loss_type, self.epsilon_low, self.epsilon_high, terms, entropies, advantages,
                                    mask, chunk, num_rows))  # fmt: skip
         return loss, stats
-
-    def _num_chunks_for(self, lengths: list[int], device: torch.device) -> int:
-        requested = getattr(self.args, "num_chunks", "auto")
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            if requested != 1:
-                self._log_fallback("DeepSpeed runs its own backward, so the micro-batch is not chunked")
-            return 1
-        if requested != "auto":
-            return int(requested)
-        from slimrl.trainers.auto_chunks import auto_num_chunks
-
-        return auto_num_chunks(self, lengths, device)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):  # fmt: skip

@@ -7,25 +7,16 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 import trl
 
-from slimrl.trainers.finite import check_on_nonfinite
 from slimrl.trainers.grpo_loss import LOSS_TYPES
+from slimrl.trainers.slim_fields import SlimFields, with_slim_fields
 
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig):
-    """TRL's GRPOConfig plus slimrl's settings, with errors for settings TRL accepts but that cannot work."""
-
-    num_chunks: int | str = field(
-        default="auto",
-        metadata={
-            "help": "Number of chunks each micro-batch's sequences are split into for the forward/backward pass. "
-            "Only one chunk's activations live at once; the gradient is the same for every value. 'auto' picks it "
-            "from the free device memory, the model's shape and the batch's token count (1 on CPU)."
-        },
-    )
+class GRPOConfig(SlimFields, trl.GRPOConfig):
+    """TRL's GRPOConfig plus slimrl's settings (the shared ones in SlimFields), with errors for settings TRL accepts
+    but that cannot work."""
 
     generation_backend: str = field(
         default="auto",
@@ -33,31 +24,6 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
             "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
             "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
-        },
-    )
-    offload_checkpoints: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Park each decoder layer's gradient checkpoint in pinned CPU memory between forward and backward, "
-            "so GPU memory does not grow with the number of layers. None: on when CUDA and gradient_checkpointing."
-        },
-    )
-    mlp_tile_tokens: int = field(
-        default=8192,
-        metadata={
-            "help": "With offloaded checkpoints, recompute each Llama-family decoder MLP over tiles of this many "
-            "tokens, forward and backward per tile, so a long sequence's MLP activations never exist at once (no "
-            "extra compute). 0 disables tiling."
-        },
-    )
-
-    on_nonfinite: str = field(
-        default="raise",
-        metadata={
-            "help": "What an optimizer step whose loss or gradient is NaN or infinite does: 'raise' stops training "
-            "with slimrl.NonFiniteError before the optimizer writes the weights (so they, the optimizer state and the "
-            "last checkpoint stay as they were); 'skip' drops that step's update, logs `nonfinite_skipped` and goes "
-            "on."
         },
     )
     deterministic_rollouts: bool = field(
@@ -70,9 +36,7 @@ class GRPOConfig(trl.GRPOConfig):
     )
 
     def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and not _bf16_supported(self.use_cpu):
-            self.bf16 = False  # TRL defaults to bf16, which transformers refuses where there is no bf16 GPU
-        self._check_slimrl_fields()
+        self._check_grpo_fields()
         self._check_generation_settings()
         try:
             super().__post_init__()
@@ -81,17 +45,7 @@ class GRPOConfig(trl.GRPOConfig):
                 raise ValueError(self._divisibility_message()) from error
             raise
 
-    def _check_slimrl_fields(self) -> None:
-        if isinstance(self.num_chunks, str):
-            if self.num_chunks.isdigit():
-                self.num_chunks = int(self.num_chunks)
-            elif self.num_chunks != "auto":
-                raise ValueError(f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}.")
-        if isinstance(self.num_chunks, bool) or (isinstance(self.num_chunks, int) and self.num_chunks < 1):
-            raise ValueError(
-                f"num_chunks must be a positive integer or 'auto', got {self.num_chunks!r}. Use 1 to run each "
-                "micro-batch in one piece, or 'auto' to size chunks from free memory."
-            )
+    def _check_grpo_fields(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
         from slimrl.trainers.generation import BACKENDS
@@ -102,14 +56,6 @@ class GRPOConfig(trl.GRPOConfig):
             )
         if self.generation_backend == "vllm":
             self.use_vllm = True  # TRL's own vLLM integration
-        if self.mlp_tile_tokens < 0:
-            raise ValueError(f"mlp_tile_tokens must be >= 0 (0 disables MLP tiling), got {self.mlp_tile_tokens}.")
-        check_on_nonfinite(self.on_nonfinite)
-        if self.offload_checkpoints and not self.gradient_checkpointing:
-            raise ValueError(
-                "offload_checkpoints=True offloads gradient checkpoints, but gradient_checkpointing is False. "
-                "Set gradient_checkpointing=True, or leave offload_checkpoints unset."
-            )
 
     def _check_generation_settings(self) -> None:
         if self.num_generations is not None and self.num_generations < 2:
@@ -144,25 +90,7 @@ class GRPOConfig(trl.GRPOConfig):
         )
 
 
-def _bf16_supported(use_cpu: bool) -> bool:
-    return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-SLIMRL_FIELDS = ("num_chunks", "generation_backend", "offload_checkpoints", "mlp_tile_tokens", "on_nonfinite",
-                 "deterministic_rollouts")  # fmt: skip
-
-
 def with_slimrl_fields(args, model) -> GRPOConfig:
     """The config slimrl's trainer runs with: None becomes slimrl's GRPOConfig named as TRL names its default
     (`<model name>-GRPO`); a plain trl.GRPOConfig keeps its values and gains slimrl's fields at their defaults."""
-    if args is None:
-        from trl.trainer.utils import get_config_model_id
-
-        name = model if isinstance(model, str) else get_config_model_id(model.config)
-        return GRPOConfig(f"{name.split('/')[-1]}-GRPO")
-    if not isinstance(args, GRPOConfig):
-        for name in SLIMRL_FIELDS:
-            if not hasattr(args, name):
-                setattr(args, name, GRPOConfig.__dataclass_fields__[name].default)
-        check_on_nonfinite(args.on_nonfinite)
-    return args
+    return with_slim_fields(args, model, GRPOConfig, "GRPO")

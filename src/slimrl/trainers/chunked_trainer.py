@@ -1,0 +1,84 @@
+"""What every trainer with a chunked step shares: the memory savers, the chunk count, the backward of inner chunks,
+and one log line per reason a batch falls back to TRL's one-piece loss.
+
+`ChunkedTrainerMixin` sits after `SlimTrainerMixin` in a slimrl trainer's bases and before TRL's class. The trainer
+calls `_apply_memory_savers()` at the end of `__init__`, and in `compute_loss` plans chunks with
+`_num_chunks_for(lengths, device)` and runs them with `_run_chunks(model, chunks, chunk_loss)`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate.utils import DistributedType
+
+from slimrl.trainers.chunked_step import Chunk, ChunkStats, run_chunks
+
+logger = logging.getLogger("slimrl.trainers")
+
+
+class ChunkedTrainerMixin:
+    """Chunk planning and the memory savers, for any HF Trainer subclass whose args carry slimrl's fields."""
+
+    def _apply_memory_savers(self) -> None:
+        """On CUDA: offloaded checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
+        if self.args.use_cpu or not torch.cuda.is_available():
+            return
+        offload = self.args.offload_checkpoints
+        if offload or (offload is None and self.args.gradient_checkpointing):
+            from slimrl.models.checkpointing import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), self.args.mlp_tile_tokens)
+
+    @property
+    def last_auto_chunks(self) -> int | None:
+        """The chunk count num_chunks="auto" chose for the latest micro-batch (None before any, or on CPU)."""
+        return getattr(self, "_last_auto_chunks", None)
+
+    def _num_chunks_for(self, lengths: list[int], device: torch.device) -> int:
+        """Chunks for a micro-batch whose units (sequences, or pairs) hold these token counts."""
+        requested = getattr(self.args, "num_chunks", "auto")
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            if requested != 1:
+                self._log_fallback("DeepSpeed runs its own backward, so the micro-batch is not chunked")
+            return 1
+        if requested != "auto":
+            return int(requested)
+        from slimrl.trainers.auto_chunks import auto_num_chunks
+
+        return auto_num_chunks(self, lengths, device)
+
+    def _log_fallback(self, reason: str) -> None:
+        """One warning per reason and trainer: the loss runs through TRL's one-piece path."""
+        logged = self.__dict__.setdefault("_fallback_reasons_logged", set())
+        if reason not in logged:
+            logged.add(reason)
+            logger.warning("slimrl: running the loss in one piece (TRL's path) because %s.", reason)
+
+    def _run_chunks(self, model, chunks: list[Chunk], chunk_loss, num_items_in_batch=None):
+        """`run_chunks` with this trainer's backward: (the micro-batch's loss, the chunks' stats summed).
+
+        HF Trainer divides the returned loss by the accumulation steps before its backward unless the trainer's loss
+        is already scaled for accumulation; inner chunks are backpropagated here with the same division, so every
+        chunk's gradient is scaled alike."""
+        divisor = self._ga_divisor(num_items_in_batch)
+
+        def backward(loss: torch.Tensor) -> None:
+            self.accelerator.backward(loss / divisor if divisor != 1 else loss)
+
+        return run_chunks(chunks, chunk_loss, backward, lambda: self.accelerator.no_sync(model))
+
+    def _ga_divisor(self, num_items_in_batch) -> int:
+        """What HF Trainer's `training_step` divides the returned loss by (its rule, transformers 5.x)."""
+        if not torch.is_grad_enabled():
+            return 1
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # the rule before transformers 5.19 (TRL sets these two attributes to match there)
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(self, "compute_loss_func", None) is not None
+            )
+        return 1 if scaled else self.current_gradient_accumulation_steps
+
+
+__all__ = ["ChunkStats", "ChunkedTrainerMixin"]
