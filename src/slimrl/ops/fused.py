@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Inductor computes a fused chain of bf16 ops in fp32 and rounds only what it stores, unless told to round where
+# eager PyTorch rounds: without this, silu(gate) * up and RMSNorm's `.to(dtype)` come out of the compiled kernel more
+# precise than the model's own eager forward (about a quarter of bf16 outputs differ in the last bit), so the
+# engine's log-probs drift from the training forward's. With it, compiled and eager agree bit for bit.
+EAGER_ROUNDING = {"emulate_precision_casts": True}
 FAST_PATH_DEVICES = ("cuda",)  # device types whose tensors take the compiled path; the others run the reference
 _compiled: dict[str, object] = {}
 
@@ -32,7 +37,7 @@ def rms_norm_reference(hidden_states: torch.Tensor, weight: torch.Tensor, eps: f
 
 def _fast(name: str, reference):
     if name not in _compiled:
-        _compiled[name] = torch.compile(reference, dynamic=True, fullgraph=True)
+        _compiled[name] = torch.compile(reference, dynamic=True, fullgraph=True, options=EAGER_ROUNDING)
     return _compiled[name]
 
 

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from slimrl.ops.fused import EAGER_ROUNDING
 from slimrl.rollout.kv_cache import StepContext
 from slimrl.rollout.model.llama import Decoder, decode_attention, prefill_attention
 from slimrl.rollout.model.reference import EAGER_GROUPED, GroupedOps, prefill_mask
@@ -33,7 +34,7 @@ class Compiled:
 
     def __init__(self, fn):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=None)
+        self.compiled = torch.compile(fn, dynamic=None, options=EAGER_ROUNDING)  # bf16 rounded where eager rounds
         self.failed = False
 
     def __call__(self, *args, **kwargs):
