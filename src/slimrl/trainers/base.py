@@ -79,6 +79,10 @@ class SlimTrainerMixin:
         )
 
     def _record_train_metric(self, name: str, value: float) -> None:
-        metrics = getattr(self, "_metrics", None)
-        if isinstance(metrics, dict) and "train" in metrics:
-            metrics["train"][name].append(value)
+        # TRL's trainers keep their per-step metrics in `_metrics[mode]`; the experimental ORPO / CPO ones in
+        # `_stored_metrics[mode]` (both averaged at the next log)
+        for attribute in ("_metrics", "_stored_metrics"):
+            metrics = getattr(self, attribute, None)
+            if isinstance(metrics, dict) and ("train" in metrics or hasattr(metrics, "default_factory")):
+                metrics["train"][name].append(value)
+                return

@@ -78,7 +78,7 @@ class ChunkedTrainerMixin:
             scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
                 getattr(self, "compute_loss_func", None) is not None
             )
-        return 1 if scaled else self.current_gradient_accumulation_steps
+        return 1 if scaled else getattr(self, "current_gradient_accumulation_steps", 1)  # set by train()
 
 
 __all__ = ["ChunkStats", "ChunkedTrainerMixin"]
