@@ -16,6 +16,8 @@ _LAZY = {
     "unpatch": "slimrl.patching",
     "GRPOTrainer": "slimrl.trainers.grpo",
     "GRPOConfig": "slimrl.trainers.grpo_config",
+    "RLOOTrainer": "slimrl.trainers.rloo",
+    "RLOOConfig": "slimrl.trainers.rloo",
     "SFTTrainer": "slimrl.trainers.sft",
     "SFTConfig": "slimrl.trainers.sft",
     "DPOTrainer": "slimrl.trainers.dpo",

@@ -50,6 +50,7 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
         _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo"),
         _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo_config"),
     ),
+    "rloo": _trl_pair("rloo", "RLOOTrainer", "RLOOConfig"),
     "sft": _trl_pair("sft", "SFTTrainer", "SFTConfig"),
     "dpo": _trl_pair("dpo", "DPOTrainer", "DPOConfig"),
     "kto": _trl_pair("kto", "KTOTrainer", "KTOConfig"),

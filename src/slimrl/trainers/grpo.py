@@ -3,7 +3,8 @@
 Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
 - `__init__`: TRL's signature; validates what TRL lets through (dataset columns, reward functions, context length)
   after TRL's own checks, and wraps reward functions so a failing one names itself.
-- `_generate_single_turn`: rollouts from slimrl's engine (live weights, no copy) when that backend is chosen.
+- `_generate_single_turn` (from `EngineRolloutMixin`, trainers/engine_rollouts.py, shared with RLOO): rollouts from
+  slimrl's engine (live weights, no copy) when that backend is chosen.
 - `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once) with the
   loss normalised so that the summed gradient equals TRL's; logs TRL's metrics with TRL's names and values.
 - `_get_per_token_logps_and_entropies`: gradient-free scoring passes in the training step's chunk size.
@@ -14,7 +15,6 @@ Everything else (rewards, advantages, tools and environments, logging, checkpoin
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ import trl
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_chunks, run_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
 from slimrl.trainers.grpo_inputs import check_context_length, check_dataset, is_multimodal
 from slimrl.trainers.grpo_loss import (
@@ -38,8 +39,6 @@ from slimrl.trainers.grpo_loss import (
 from slimrl.trainers.grpo_metrics import ENTROPY_STATS, POLICY_LOSS, append_metrics, chunk_metrics
 from slimrl.trainers.resume import ResumableTrainerMixin
 from slimrl.trainers.rewards_guard import guard_reward_funcs
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; importable from here as before
 
@@ -61,7 +60,7 @@ class _MicroBatch:
     entropy_coef: float  # the entropy bonus's coefficient for this micro-batch (0 when the bonus is off)
 
 
-class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
     _tag_names = [*trl.GRPOTrainer._tag_names, "slimrl"]
@@ -78,70 +77,6 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         self._choose_generation_backend()
         self._phase_start: float | None = None
         self._phase_tokens = 0
-
-    # -- generation ------------------------------------------------------------------------------------------------
-
-    def _choose_generation_backend(self) -> None:
-        from slimrl.trainers.generation import choose_backend
-
-        self._rollout_engine = None
-        self._generation_backend, reason = choose_backend(
-            self.args.generation_backend,
-            self.accelerator.unwrap_model(self.model),
-            use_vllm=self.use_vllm,
-            use_continuous_batching=self.args.use_transformers_continuous_batching,
-            generation_kwargs=self.args.generation_kwargs,
-        )
-        if self.args.generation_backend == "auto" and self._generation_backend != "engine":
-            # on CUDA the engine was expected, so the fallback is worth a warning; on CPU it is the plan
-            log = logger.warning if torch.cuda.is_available() else logger.info
-            log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # contract: (completion ids per prompt, EOS included and nothing after it; per-token log-probs or None),
-        # prompts in order, no grad, the model left in the train/eval mode it had
-        # slimrl's engine decodes with the training weights and the live adapter; TRL's paths serve the rest
-        if self._generation_backend != "engine" or images is not None or multimodal_fields:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        from slimrl.trainers.generation import engine_sampling_params, inference_mode
-
-        model = self.accelerator.unwrap_model(self.model)
-        if self._rollout_engine is None:
-            from slimrl.rollout.engine import RolloutEngine
-
-            options = getattr(model, "slimrl_options", None)
-            self._rollout_engine = RolloutEngine(
-                model,
-                max_seq_len=getattr(options, "max_seq_length", None),
-                gpu_memory_utilization=getattr(options, "gpu_memory_utilization", None)
-                if getattr(options, "fast_inference", False)
-                else None,
-                tokenizer=self._tokenizer,
-                deterministic=self.args.deterministic_rollouts,
-            )
-        params = engine_sampling_params(self, self._rollout_engine.device)
-        with inference_mode(model):
-            output = self._rollout_engine.generate(prompt_ids, params, max_new_tokens=self.max_completion_length)
-        self._rollout_engine.release()  # the KV cache goes back to training
-        return output.completion_ids, output.logprobs
-
-    @property
-    def generation_backend(self) -> str:
-        """Who generates this trainer's rollouts: "engine", "transformers" or "vllm" (see GRPOConfig)."""
-        return self._generation_backend
-
-    @property
-    def rollout_engine(self):
-        """slimrl's RolloutEngine once it has generated (None before, or with another backend)."""
-        return self._rollout_engine
-
-    def generate_completion_ids(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list | None]:
-        """One completion per token-id prompt from the policy as it is now, by this trainer's backend (slimrl's
-        engine, or TRL's path): for a `rollout_func` that runs its own loop. Returns (completion ids, their
-        log-probs, or None where the backend gives none)."""
-        return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 

@@ -5,35 +5,20 @@ that cannot work. A plain `trl.GRPOConfig` (or none) given to slimrl's trainer g
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trl
 
 from slimrl.trainers.grpo_loss import LOSS_TYPES
-from slimrl.trainers.slim_fields import SlimFields, with_slim_fields
+from slimrl.trainers.rollout_fields import RolloutFields, with_rollout_fields
+from slimrl.trainers.slim_fields import SlimFields
 
 
 @dataclass
-class GRPOConfig(SlimFields, trl.GRPOConfig):
-    """TRL's GRPOConfig plus slimrl's settings (the shared ones in SlimFields), with errors for settings TRL accepts
-    but that cannot work."""
-
-    generation_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
-            "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
-            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
-        },
-    )
-    deterministic_rollouts: bool = field(
-        default=True,
-        metadata={
-            "help": "Make the rollout engine's output depend only on the seed: the partial sums its kernels split "
-            "over several GPU programs are added in a fixed order instead of by atomics (whose order, and so the last "
-            "bits of the logits, vary from run to run). False is slightly faster (docs/benchmarks.md)."
-        },
-    )
+class GRPOConfig(RolloutFields, SlimFields, trl.GRPOConfig):
+    """TRL's GRPOConfig plus slimrl's settings (the shared ones in SlimFields; generation_backend and
+    deterministic_rollouts in RolloutFields, shared with RLOO), with errors for settings TRL accepts but that cannot
+    work."""
 
     def __post_init__(self):
         self._check_grpo_fields()
@@ -48,14 +33,6 @@ class GRPOConfig(SlimFields, trl.GRPOConfig):
     def _check_grpo_fields(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
-        from slimrl.trainers.generation import BACKENDS
-
-        if self.generation_backend not in BACKENDS:
-            raise ValueError(
-                f"generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}."
-            )
-        if self.generation_backend == "vllm":
-            self.use_vllm = True  # TRL's own vLLM integration
 
     def _check_generation_settings(self) -> None:
         if self.num_generations is not None and self.num_generations < 2:
@@ -93,4 +70,4 @@ class GRPOConfig(SlimFields, trl.GRPOConfig):
 def with_slimrl_fields(args, model) -> GRPOConfig:
     """The config slimrl's trainer runs with: None becomes slimrl's GRPOConfig named as TRL names its default
     (`<model name>-GRPO`); a plain trl.GRPOConfig keeps its values and gains slimrl's fields at their defaults."""
-    return with_slim_fields(args, model, GRPOConfig, "GRPO")
+    return with_rollout_fields(args, model, GRPOConfig, "GRPO")

@@ -1,0 +1,62 @@
+"""The config fields of slimrl's rollouts, shared by the trainers that generate (GRPO, RLOO).
+
+`RolloutFields` is a dataclass mixin placed before `SlimFields` in a config's bases
+(`class RLOOConfig(RolloutFields, SlimFields, trl.RLOOConfig)`), so the fields come after TRL's and SlimFields' ones
+and its `__post_init__` checks them before SlimFields and TRL check theirs. `with_rollout_fields` is
+`with_slim_fields` that also gives a config lacking these fields (a plain TRL one) their defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from slimrl.trainers.slim_fields import with_slim_fields
+
+
+@dataclass
+class RolloutFields:
+    """Who generates the rollouts, and how reproducibly (mixed in before SlimFields)."""
+
+    generation_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
+            "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
+            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
+        },
+    )
+    deterministic_rollouts: bool = field(
+        default=True,
+        metadata={
+            "help": "Make the rollout engine's output depend only on the seed: the partial sums its kernels split "
+            "over several GPU programs are added in a fixed order instead of by atomics (whose order, and so the last "
+            "bits of the logits, vary from run to run). False is slightly faster (docs/benchmarks.md)."
+        },
+    )
+
+    def __post_init__(self):
+        check_rollout_fields(self)
+        super().__post_init__()
+
+
+def check_rollout_fields(args) -> None:
+    """Check the rollout fields of `args` (any object carrying them); 'vllm' turns on TRL's own vLLM integration."""
+    from slimrl.trainers.generation import BACKENDS
+
+    if args.generation_backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}.")
+    if args.generation_backend == "vllm":
+        args.use_vllm = True
+
+
+def with_rollout_fields(args, model, config_class, suffix: str):
+    """`with_slim_fields` for a config class with RolloutFields: a config that lacks them (a plain TRL one) also
+    gains the rollout fields at their defaults. (with_slim_fields counts every base but SlimFields as TRL's, so it
+    would leave these out.)"""
+    args = with_slim_fields(args, model, config_class, suffix)
+    if not isinstance(args, config_class):
+        for spec in fields(RolloutFields):
+            if not hasattr(args, spec.name):
+                setattr(args, spec.name, spec.default)
+        check_rollout_fields(args)
+    return args
