@@ -99,7 +99,9 @@ def check_sequence_lengths(model, dataset, name: str, max_length: int | None) ->
         limit, where = getattr(text_config, "max_position_embeddings", None), "the model's max_position_embeddings"
     if limit is None or (max_length is not None and max_length <= limit):
         return  # every sequence is truncated to a length the model holds
-    if not all(hasattr(dataset, attr) for attr in ("select_columns", "with_format")):
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
         return  # a streaming dataset: its lengths are not known up front
     if not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names or ()):
         return
