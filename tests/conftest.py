@@ -15,7 +15,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread: the tiny models gain nothing from a second, and two OpenMP threads per process spin against any other
+# load on a 2-core machine (measured: the trainer parity tests 6-10x slower in wall time on a busy box).
+torch.set_num_threads(int(os.environ.get("SLIMRL_TEST_THREADS", "1")))
 
 
 @pytest.fixture
