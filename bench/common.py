@@ -207,6 +207,32 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
+@contextlib.contextmanager
+def timed_calls(owner, name: str) -> Iterator[list[float]]:
+    """`owner.name` (a module's function, or an attribute of any object) wrapped for the duration of the block: each
+    call's wall seconds, from and to a point where the GPU has finished its queued work (sync_time), are appended to
+    the list the block receives. Callers that look the name up at call time (`module.name(...)`) are timed; the
+    original is put back afterwards."""
+    import functools
+
+    original = getattr(owner, name)
+    seconds: list[float] = []
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = sync_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(sync_time() - start)
+
+    setattr(owner, name, timed)
+    try:
+        yield seconds
+    finally:
+        setattr(owner, name, original)
+
+
 def copy_bandwidth(gib: int = 2) -> float:
     """Bytes read + written per second by a device-to-device copy of `gib` GiB (best of 10)."""
     import torch

@@ -1,4 +1,5 @@
-"""W3 (shared/bench/WORKLOAD.md): end-to-end GRPO steps on W1's model, TRL's GRPOTrainer beside slimrl's.
+"""W3 (shared/bench/WORKLOAD.md): end-to-end GRPO steps on W1's model, TRL's GRPOTrainer beside slimrl's; with
+--algorithm rloo TRL's RLOOTrainer beside slimrl's, with --algorithm ppo slimrl's PPOTrainer beside slimrl's GRPO.
 
 Both trainers run in this one process, each on a freshly built model (same seed), the same data and the same
 settings: W1's model (Qwen2, vocab 151936, hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 kv heads, tied
@@ -6,21 +7,34 @@ embeddings, bf16, random init) with peft LoRA r=64 alpha=64 dropout 0 on all lin
 generations per step, prompts of 256 tokens (slimrl's arithmetic problems behind a fixed preamble), completions of
 --completion-length tokens at temperature 1.0 (the random model has no real EOS, so completions run to full length:
 the EOS id is one of 151936 near-equally likely tokens; each step's clipped ratio is recorded),
-loss_type dapo, beta 0, gradient checkpointing, bf16, lr 1e-5 (constant, so the first k steps are the same run
-whatever --steps is), rewards decoded from text: slimrl's exact-answer, format and length rewards.
+loss_type dapo, beta 0 (--beta), gradient checkpointing, bf16, lr 1e-5 (constant, so the first k steps are the same
+run whatever --steps is), rewards decoded from text: slimrl's exact-answer, format and length rewards.
+
+--algorithm (JSON sides; the speedup is the second side's seconds over the first's):
+  grpo  "slimrl", "trl": slimrl's GRPOTrainer and TRL's, as above (the default).
+  rloo  "slimrl_rloo", "trl_rloo": slimrl's RLOOTrainer and TRL's at the same settings (8 completions of one prompt
+        per step, beta as GRPO's); RLOO's own loss and defaults otherwise (epsilon 0.2, no advantage whitening).
+  ppo   "slimrl_ppo", "slimrl_grpo": slimrl's PPOTrainer (TRL 1.16 has none) with a value head on the policy, beside
+        slimrl's GRPO at the same batch: 8 prompts x 1 completion per step for PPO (response_length = the completion
+        length, one pass of one mini-batch: one optimizer step per rollout, kl_coef = --beta, PPO's defaults
+        otherwise) against GRPO's 1 prompt x 8. Both run --steps steps.
 
 Per step (HF Trainer's on_step_begin to on_step_end, CUDA-synchronised): wall seconds of
-  generation  the trainer's `_generate_single_turn` (the rollout: slimrl's engine or TRL's `generate`)
-  reward      the trainer's `_calculate_rewards` (decoded completions scored by the reward functions)
-  training    the rest of the step: tokenising and decoding, the loss's forward and backward, the optimizer
+  generation  the trainer's rollout: `_generate_single_turn` for GRPO and RLOO (slimrl's engine or TRL's
+              `generate`), `_generate` for PPO
+  reward      the reward functions on the decoded completions: `_calculate_rewards` (GRPO, RLOO), `_scores` (PPO)
+  training    the rest of the step: tokenising and decoding, the gradient-free scoring passes, the loss's forward and
+              backward, the optimizer; for PPO its gradient-free pass over the rollout (old log-probs, values and
+              reference log-probs: `value_model.score_rollout`) is also given on its own as scoring_pass_s
 both methods wrapped on the trainer instance, so TRL and slimrl are timed by the same code; plus the step's loss,
-reward, completion length and peak GPU memory from the trainer's logs. Means are given over all steps and over all
-but the first (which compiles and captures slimrl's engine). TRL's `generate` makes about 66 tokens/s at batch 8 on
-this model (some 2 minutes a step at 1024 tokens), so it runs --trl-steps steps, fewer than slimrl's --steps.
+reward, completion length and peak GPU memory from the trainer's logs (PPO: reward = objective/scores, and its
+policy and value losses). Means are given over all steps and over all but the first (which compiles and captures
+slimrl's engine). TRL's `generate` makes about 66 tokens/s at batch 8 on this model (some 2 minutes a step at 1024
+tokens), so TRL's trainers run --trl-steps steps, fewer than slimrl's --steps.
 slimrl runs first, and the JSON is rewritten after every step, so a run cut short keeps what it measured.
 
-    python bench/grpo_step.py [$OUT/w3.json] [--steps 10] [--trl-steps 3] [--skip trl|slimrl]
-                              [--completion-length 1024] [--slimrl-backend auto] [--tiny]
+    python bench/grpo_step.py [$OUT/w3.json] [--algorithm grpo|rloo|ppo] [--steps 10] [--trl-steps 3]
+                              [--skip SIDE ...] [--completion-length 1024] [--beta 0] [--slimrl-backend auto] [--tiny]
 
 --tiny runs a 2-layer Qwen2 from slimrl.testing with short prompts and completions: a CPU smoke run.
 
@@ -34,15 +48,16 @@ Llama through the same code (a CPU smoke run).
     python bench/grpo_step.py $OUT/w3_real.json --real [--steps 30] [--trl-steps 30] [--completion-length 256]
 
 Per side the summary also gives the median training seconds over the steps after the first, the largest of those
-over that median (stall ratio), and the mean step; the speedups (TRL / slimrl) are given for the mean step, the
-mean and median training phase, and step by step.
-The exit status is 1 when a side raised (its traceback is in the JSON) or slimrl did not generate with its engine
-on CUDA.
+over that median (stall ratio), and the mean step; the speedups (TRL / slimrl, or GRPO / PPO) are given for the mean
+step, the mean and median training phase, and step by step.
+The exit status is 1 when a side raised (its traceback is in the JSON) or a slimrl side did not generate with its
+engine on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shlex
@@ -67,13 +82,27 @@ from common import (  # noqa: E402
     mean,
     median,
     rounded,
+    timed_calls,
     w1_model,
 )
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
-SIDES = ("slimrl", "trl")  # slimrl first: its steps are short, so a run cut off by a time limit still has them
+SIDES = {  # JSON key -> (whose trainer, which algorithm)
+    "slimrl": ("slimrl", "grpo"),
+    "trl": ("trl", "grpo"),
+    "slimrl_rloo": ("slimrl", "rloo"),
+    "trl_rloo": ("trl", "rloo"),
+    "slimrl_ppo": ("slimrl", "ppo"),
+    "slimrl_grpo": ("slimrl", "grpo"),
+}
+# --algorithm -> its two sides in the order they run (slimrl's first: its steps are short, so a run cut off by a time
+# limit still has them); the speedup is the second side's seconds over the first's
+RUNS = {"grpo": ("slimrl", "trl"), "rloo": ("slimrl_rloo", "trl_rloo"), "ppo": ("slimrl_ppo", "slimrl_grpo")}
+# A gradient-free pass timed on its own, inside the training phase: algorithm -> (module, function, step field)
+SCORING_PASSES = {"ppo": ("slimrl.trainers.value_model", "score_rollout", "scoring_pass_s")}
 PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
 SUMMARY_KEYS = (*PHASE_KEYS, "peak_GiB", "loss", "reward", "completion_mean_length")
+PPO_SUMMARY_KEYS = ("scoring_pass_s", "policy_loss", "value_loss")
 # The prompt's bulk: fixed text in the system message, cut so each prompt is --prompt-tokens tokens long.
 PREAMBLE = (
     "You are a careful calculator. Each question below asks for the result of adding or subtracting two whole "
@@ -88,6 +117,14 @@ LOG_FIELDS = {  # per-step record field -> the trainer's logged metric
     "reward_std": "reward_std",
     "completion_mean_length": "completions/mean_length",
     "completion_clipped_ratio": "completions/clipped_ratio",
+}
+PPO_LOG_FIELDS = {  # the same for slimrl's PPOTrainer (TRL 0.x's names; it logs no completion lengths)
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "reward": "objective/scores",
+    "kl": "objective/kl",
+    "policy_loss": "loss/policy_avg",
+    "value_loss": "loss/value_avg",
 }
 
 
@@ -221,25 +258,39 @@ def reward_functions(completion_length: int) -> list:
 # -- trainers --------------------------------------------------------------------------------------------------------
 
 
-def grpo_settings(args, steps: int, output_dir: str, cuda: bool) -> dict:
-    """The GRPOConfig settings both trainers get."""
-    return dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8, num_generations=8,
-                gradient_accumulation_steps=1, max_completion_length=args.completion_length, temperature=1.0,
-                loss_type="dapo", beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0,
-                gradient_checkpointing=True, bf16=cuda and not args.tiny, use_cpu=not cuda, seed=args.seed,
-                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)  # fmt: skip
+def trainer_settings(algorithm: str, args, steps: int, output_dir: str, cuda: bool) -> dict:
+    """The config settings both sides of `algorithm` get: W3's batch of 8 completions, sampling, optimizer and
+    precision; GRPO's and RLOO's 8 generations of one prompt (GRPO's dapo loss), or PPO's 8 prompts x 1 completion
+    in one mini-batch trained on once (one optimizer step per rollout)."""
+    settings = dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8,
+                    gradient_accumulation_steps=1, temperature=1.0, learning_rate=1e-5, lr_scheduler_type="constant",
+                    warmup_steps=0, gradient_checkpointing=True, bf16=cuda and not args.tiny, use_cpu=not cuda,
+                    seed=args.seed, logging_steps=1, save_strategy="no", report_to="none",
+                    disable_tqdm=True)  # fmt: skip
+    if algorithm == "ppo":
+        return {**settings, "response_length": args.completion_length, "num_ppo_epochs": 1, "num_mini_batches": 1,
+                "kl_coef": args.beta}  # fmt: skip
+    settings.update(num_generations=8, max_completion_length=args.completion_length, beta=args.beta)
+    return {**settings, "loss_type": "dapo"} if algorithm == "grpo" else settings
+
+
+def trainer_classes(owner: str, algorithm: str) -> tuple[type, type]:
+    """(trainer, config) classes of `owner`'s ("slimrl" or "trl") `algorithm`, by their public names."""
+    import importlib
+
+    module = importlib.import_module(owner)
+    return getattr(module, f"{algorithm.upper()}Trainer"), getattr(module, f"{algorithm.upper()}Config")
 
 
 def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, output_dir: str, cuda: bool):
-    settings = grpo_settings(args, steps, output_dir, cuda)
-    if kind == "trl":
-        from trl import GRPOConfig, GRPOTrainer
-    else:
-        from slimrl import GRPOConfig, GRPOTrainer
-
+    """Side `kind`'s trainer (SIDES: whose, which algorithm) on `model`; PPO's value function is a head on it."""
+    owner, algorithm = SIDES[kind]
+    settings = trainer_settings(algorithm, args, steps, output_dir, cuda)
+    if owner == "slimrl":
         settings.update(num_chunks="auto", generation_backend=args.slimrl_backend)
-    return GRPOTrainer(model=model, reward_funcs=data["rewards"], args=GRPOConfig(**settings),
-                       train_dataset=data["dataset"], processing_class=tokenizer)  # fmt: skip
+    trainer_class, config_class = trainer_classes(owner, algorithm)
+    return trainer_class(model=model, reward_funcs=data["rewards"], args=config_class(**settings),
+                         train_dataset=data["dataset"], processing_class=tokenizer)  # fmt: skip
 
 
 def generation_backend(trainer) -> str:
@@ -281,15 +332,32 @@ def offloaded_checkpointing(model) -> bool | None:
 
 def record_view(record: dict) -> dict:
     """A step record for the JSON: timings rounded, the trainer's logged values as they are."""
-    return {k: v if k in LOG_FIELDS else rounded(v) for k, v in record.items()}
+    return {k: v if k in LOG_FIELDS or k in PPO_LOG_FIELDS else rounded(v) for k, v in record.items()}
 
 
-def summarise(records: list[dict]) -> dict:
+def log_fields(algorithm: str) -> dict:
+    """Per-step record field -> the metric `algorithm`'s trainer logs it as."""
+    return PPO_LOG_FIELDS if algorithm == "ppo" else LOG_FIELDS
+
+
+def scoring_pass_timer(algorithm: str):
+    """A context timing `algorithm`'s gradient-free scoring pass (SCORING_PASSES), yielding the list of its calls'
+    seconds; for the other algorithms a context yielding None."""
+    if algorithm not in SCORING_PASSES:
+        return contextlib.nullcontext()
+    import importlib
+
+    module, function, _ = SCORING_PASSES[algorithm]
+    return timed_calls(importlib.import_module(module), function)
+
+
+def summarise(records: list[dict], algorithm: str = "grpo") -> dict:
     """Means over all steps and over all but the first (warm-up: compilation and graph capture); the training
     phase's median and its largest step (the stall ratio) over the steps after the first."""
+    keys = (*SUMMARY_KEYS, *PPO_SUMMARY_KEYS) if algorithm == "ppo" else SUMMARY_KEYS
 
     def means(rows: list[dict]) -> dict:
-        return {k: rounded(mean(r.get(k) for r in rows)) for k in SUMMARY_KEYS}
+        return {k: rounded(mean(r.get(k) for r in rows)) for k in keys}
 
     summary = {"mean_all": means(records), "mean_after_first": means(records[1:]) if len(records) > 1 else None}
     peaks = [r["peak_GiB"] for r in records if "peak_GiB" in r]
@@ -326,7 +394,7 @@ def build_side(kind: str, steps: int, args, data: dict, side: dict, held: dict, 
     side["build_s"] = round(time.perf_counter() - start, 2)
 
 
-def finish_side(side: dict, held: dict, records: list[dict]) -> None:
+def finish_side(side: dict, held: dict, records: list[dict], algorithm: str) -> None:
     """What the run left to record: the engine's settings (then its memory freed), chunks, checkpointing, summary."""
     trainer, model = held.get("trainer"), held.get("model")
     if trainer is not None:
@@ -340,7 +408,7 @@ def finish_side(side: dict, held: dict, records: list[dict]) -> None:
         side["offloaded_checkpointing"] = offloaded_checkpointing(model)
     side["steps_run"] = len(records)
     side["steps"] = [record_view(r) for r in records]
-    side.update(summarise(records))
+    side.update(summarise(records, algorithm))
 
 
 def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) -> None:
@@ -350,11 +418,16 @@ def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) ->
 
     from slimrl.trainers.step_timer import StepTimer
 
+    algorithm = SIDES[kind][1]
+    fields = log_fields(algorithm)
     side.update(status="running", steps_requested=steps, steps_run=0, steps=[])
     held = {"dir": tempfile.mkdtemp(prefix=f"w3-{kind}-")}
 
     def on_step(record):
-        record.update({field: record["logs"][key] for field, key in LOG_FIELDS.items() if key in record["logs"]})
+        record.update({field: record["logs"][key] for field, key in fields.items() if key in record["logs"]})
+        if scoring is not None:  # the step's scoring pass ran before its logs arrived (one rollout per step)
+            record[SCORING_PASSES[algorithm][2]] = sum(scoring)
+            scoring.clear()
         side["steps_run"] = len(timer.steps)
         side["steps"] = [record_view(r) for r in timer.steps]
         print(json.dumps({kind: {k: v for k, v in record_view(record).items() if k != "logs"}}), flush=True)
@@ -362,20 +435,21 @@ def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) ->
 
     timer = StepTimer(on_step=on_step, track_memory=True)
     try:
-        build_side(kind, steps, args, data, side, held, cuda)
-        timer.attach(held["trainer"])
-        held["trainer"].remove_callback(PrinterCallback)  # the timer prints one line per step instead
-        save()
-        start = time.perf_counter()
-        held["trainer"].train()
-        side["train_wall_s"] = round(time.perf_counter() - start, 2)
+        with scoring_pass_timer(algorithm) as scoring:
+            build_side(kind, steps, args, data, side, held, cuda)
+            timer.attach(held["trainer"])  # PPO's phases are its own methods: PPOTrainer.timed_phases
+            held["trainer"].remove_callback(PrinterCallback)  # the timer prints one line per step instead
+            save()
+            start = time.perf_counter()
+            held["trainer"].train()
+            side["train_wall_s"] = round(time.perf_counter() - start, 2)
         side["status"] = "ok"
     except Exception:  # noqa: BLE001 - a failing side is reported and the other still runs
         side["status"] = "error"
         side["error"] = traceback.format_exc()
         traceback.print_exc()
     finally:
-        finish_side(side, held, timer.steps)
+        finish_side(side, held, timer.steps, algorithm)
         timer.detach()
         shutil.rmtree(held.pop("dir"), ignore_errors=True)
         held.clear()  # the model and trainer: freed before the next side is built
@@ -392,27 +466,34 @@ def ratio(a, b) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def compared_sides(report: dict) -> tuple[str, str]:
+    """(the side measured, the side it is compared with): the speedup is the second's seconds over the first's."""
+    return RUNS[report["algorithm"]]
+
+
 def speedups(report: dict) -> dict | None:
-    """TRL's seconds over slimrl's: per phase on both means (after the first step, and all steps), the training
-    phase's median after the first step, and step by step (whole step and training phase) where both ran it."""
-    trl, slim = report["sides"].get("trl", {}), report["sides"].get("slimrl", {})
+    """The compared side's seconds over the measured side's (TRL's over slimrl's, or slimrl GRPO's over PPO's): per
+    phase on both means (after the first step, and all steps), the training phase's median after the first step, and
+    step by step (whole step and training phase) where both ran it."""
+    measured, compared = (report["sides"].get(kind, {}) for kind in compared_sides(report))
     result = {}
     for basis in ("mean_after_first", "mean_all"):
-        a, b = trl.get(basis), slim.get(basis)
+        a, b = compared.get(basis), measured.get(basis)
         if a and b:
             result[basis] = {key: ratio(a.get(key), b.get(key)) for key in PHASE_KEYS}
     if not result:
         return None
-    result["training_median_after_first"] = ratio(trl.get("training_median_after_first"),
-                                                  slim.get("training_median_after_first"))  # fmt: skip
-    pairs = list(zip(trl.get("steps", []), slim.get("steps", []), strict=False))
+    result["training_median_after_first"] = ratio(compared.get("training_median_after_first"),
+                                                  measured.get("training_median_after_first"))  # fmt: skip
+    pairs = list(zip(compared.get("steps", []), measured.get("steps", []), strict=False))
     result["per_step"] = {key: [ratio(a.get(key), b.get(key)) for a, b in pairs] for key in ("step_s", "training_s")}
     return result
 
 
 def print_summary(report: dict) -> None:
-    header = ["side", "steps", "backend", "step s", "gen s", "reward s", "train s", "train median s", "stall ratio",
-              "peak GiB", "first step s"]  # fmt: skip
+    scoring = ["scoring_pass_s"] if report["algorithm"] in SCORING_PASSES else []  # a part of the training phase
+    header = ["side", "steps", "backend", "step s", "gen s", "reward s", "train s", *("scoring s" for _ in scoring),
+              "train median s", "stall ratio", "peak GiB", "first step s"]  # fmt: skip
     rows = []
     for kind, side in report["sides"].items():
         if side.get("status") == "skipped":
@@ -420,14 +501,16 @@ def print_summary(report: dict) -> None:
         means = side.get("mean_after_first") or side.get("mean_all") or {}
         first = side["steps"][0]["step_s"] if side.get("steps") else None
         rows.append([kind, f"{side.get('steps_run', 0)}/{side.get('steps_requested')}", side.get("generation_backend"),
-                     *(means.get(k) for k in PHASE_KEYS), side.get("training_median_after_first"),
+                     *(means.get(k) for k in (*PHASE_KEYS, *scoring)), side.get("training_median_after_first"),
                      side.get("stall_ratio"), side.get("peak_GiB"), first])  # fmt: skip
     speedup = report.get("speedup") or {}
+    label = "/".join(reversed(compared_sides(report)))
     for basis in ("mean_after_first", "mean_all"):
         if basis in speedup:
-            rows.append(["TRL/slimrl", basis, None, *(speedup[basis][k] for k in PHASE_KEYS),
+            rows.append([label, basis, None, *(speedup[basis][k] for k in PHASE_KEYS), *(None for _ in scoring),
                          speedup.get("training_median_after_first"), None, None, None])  # fmt: skip
-    print("\nW3: seconds per step (means over all steps but the first, where there are two or more)")
+    print(f"\nW3 ({report['algorithm']}): seconds per step (means over all steps but the first, where there are two or "
+          "more)")  # fmt: skip
     print(markdown_table(header, rows))
     for problem in report["problems"]:
         print(f"PROBLEM: {problem.splitlines()[0]}")
@@ -447,12 +530,29 @@ def settings_record(args, data: dict, cuda: bool) -> dict:
                   "model_vocab": TINY_VOCAB if args.tiny else W1_VOCAB, "tokenizer_vocab": len(tokenizer),
                   "prompt_tokens": args.prompt_tokens,
                   "prompt_tokens_min_max": [min(lengths), max(lengths)]}  # fmt: skip
-    record.update(prompts_per_step=1, num_generations=8, completion_length=args.completion_length, temperature=1.0,
-                  loss_type="dapo", beta=0.0, learning_rate=1e-5, lr_scheduler="constant", gradient_checkpointing=True,
-                  bf16=cuda and not args.tiny, seed=args.seed, slimrl_backend=args.slimrl_backend,
-                  rewards=[getattr(f, "__name__", str(f)) for f in data["rewards"]],
-                  steps={"slimrl": args.steps, "trl": args.trl_steps})  # fmt: skip
+    record.update(algorithm_record(args))
+    record.update(completion_length=args.completion_length, temperature=1.0, learning_rate=1e-5,
+                  lr_scheduler="constant", gradient_checkpointing=True, bf16=cuda and not args.tiny, seed=args.seed,
+                  slimrl_backend=args.slimrl_backend, rewards=[getattr(f, "__name__", str(f)) for f in data["rewards"]],
+                  steps={kind: side_steps(kind, args) for kind in RUNS[args.algorithm]})  # fmt: skip
     return record
+
+
+def algorithm_record(args) -> dict:
+    """The batch and loss settings of --algorithm's sides (trainer_settings), as the JSON names them."""
+    group = {"prompts_per_step": 1, "num_generations": 8}
+    if args.algorithm == "grpo":
+        return {**group, "loss_type": "dapo", "beta": args.beta}
+    if args.algorithm == "rloo":
+        return {**group, "beta": args.beta, "loss": "RLOO's (TRL 1.16 defaults: epsilon 0.2, normalize_advantages off)"}
+    return {"ppo": {"prompts_per_step": 8, "completions_per_prompt": 1, "num_ppo_epochs": 1, "num_mini_batches": 1,
+                    "kl_coef": args.beta, "value_function": "a value head on the policy"},
+            "grpo": {**group, "loss_type": "dapo", "beta": args.beta}}  # fmt: skip
+
+
+def side_steps(kind: str, args) -> int:
+    """Steps side `kind` runs: TRL's trainers --trl-steps, slimrl's --steps."""
+    return args.trl_steps if SIDES[kind][0] == "trl" else args.steps
 
 
 def engine_generated(side: dict) -> bool:
@@ -463,11 +563,18 @@ def engine_generated(side: dict) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?", default=default_output("grpo_step.json"))
+    parser.add_argument("--algorithm", default="grpo", choices=tuple(RUNS),
+                        help="grpo: TRL's GRPO and slimrl's; rloo: TRL's RLOO and slimrl's; ppo: slimrl's PPO and "
+                        "slimrl's GRPO")  # fmt: skip
     parser.add_argument("--real", action="store_true", help=f"{REAL_MODEL} on the demo's task instead of W1's model")
     parser.add_argument("--steps", type=int, default=None, help="slimrl's steps (default 10, 30 with --real)")
     parser.add_argument("--trl-steps", type=int, default=None,
                         help="TRL's steps (default 3: about 2 minutes each on W1; 30 with --real)")  # fmt: skip
-    parser.add_argument("--skip", nargs="*", default=[], choices=SIDES)
+    parser.add_argument("--skip", nargs="*", default=[], choices=tuple(SIDES),
+                        help="sides not to run (those of --algorithm: see RUNS)")  # fmt: skip
+    parser.add_argument("--beta", type=float, default=0.0,
+                        help="KL coefficient against the reference (the adapter disabled): GRPO's and RLOO's beta, "
+                        "PPO's kl_coef (default 0)")  # fmt: skip
     parser.add_argument("--completion-length", type=int, default=None,
                         help="default 1024 (256 with --real; 32 with --tiny, 16 with --real --tiny)")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=None, help="W1: default 256 (128 with --tiny)")
@@ -487,12 +594,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.trl_steps = args.trl_steps or (30 if args.real else 3)
     if min(args.steps, args.trl_steps) < 1:
         parser.error("--steps and --trl-steps must be at least 1")
+    other = [kind for kind in args.skip if kind not in RUNS[args.algorithm]]
+    if other:
+        sides = " and ".join(RUNS[args.algorithm])
+        parser.error(f"--skip {' '.join(other)}: --algorithm {args.algorithm} runs {sides}")
     return args
 
 
 def build_data(args) -> dict:
-    """The dataset, reward functions and (W1) shared tokenizer both sides train on."""
-    rows = max(args.steps, args.trl_steps, 8)
+    """The dataset, reward functions and (W1) shared tokenizer both sides train on: a prompt for each step of the
+    longer side (PPO: 8 prompts a step), 8 at least."""
+    rows = max(args.steps, args.trl_steps) * (8 if args.algorithm == "ppo" else 1)
+    rows = max(rows, 8)
     if args.real:
         return real_data(rows, args.seed)
     from slimrl.testing import TINY_VOCAB
@@ -508,14 +621,21 @@ TIMING = (
     "generation starts and ends: generation_peak_GiB and training_peak_GiB (reward + training) per step; slimrl's own "
     "logged peak_gpu_memory_GiB therefore covers the training phase only"
 )
+PPO_TIMING = (
+    "; PPO's phases: generation = _generate, reward = _scores, and scoring_pass_s = value_model.score_rollout (old "
+    "log-probs, values and reference log-probs of the rollout, gradient-free), a part of training_s"
+)
 
 
 def main(argv=None) -> Report:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     cuda = torch.cuda.is_available()
+    measured, compared = RUNS[args.algorithm]
     report = Report(args.out, workload="W3", command=shlex.join(["python", "bench/grpo_step.py", *argv]),
-                    tiny=args.tiny, real=args.real, timing=TIMING, sides={})  # fmt: skip
+                    algorithm=args.algorithm, tiny=args.tiny, real=args.real,
+                    timing=TIMING + (PPO_TIMING if args.algorithm == "ppo" else ""),
+                    speedup_is=f"{compared} seconds / {measured} seconds", sides={})  # fmt: skip
 
     def save():
         report["speedup"] = speedups(report)
@@ -525,12 +645,12 @@ def main(argv=None) -> Report:
         report.update(environment(cuda))
         data = build_data(args)
         report["settings"] = settings_record(args, data, cuda)
-        for kind in SIDES:
+        for kind in RUNS[args.algorithm]:
             side = report["sides"][kind] = {}
             if kind in args.skip:
                 side["status"] = "skipped"
                 continue
-            run_side(kind, args.steps if kind == "slimrl" else args.trl_steps, args, data, side, save, cuda)
+            run_side(kind, side_steps(kind, args), args, data, side, save, cuda)
             report["problems"] += side_problems(kind, side, args, cuda)
         save()
         print_summary(report)
@@ -541,8 +661,8 @@ def main(argv=None) -> Report:
 def side_problems(kind: str, side: dict, args, cuda: bool) -> list[str]:
     if side["status"] == "error":
         return [f"{kind} raised: {side['error'].strip().splitlines()[-1]}"]
-    if kind == "slimrl" and cuda and args.slimrl_backend != "transformers" and not engine_generated(side):
-        return [f"slimrl generated with {side.get('generation_backend')!r} on CUDA, not its rollout engine"]
+    if SIDES[kind][0] == "slimrl" and cuda and args.slimrl_backend != "transformers" and not engine_generated(side):
+        return [f"{kind} generated with {side.get('generation_backend')!r} on CUDA, not its rollout engine"]
     return []
 
 

@@ -51,6 +51,24 @@ def test_generation_backend_engine_makes_the_demo_generate_with_slimrls_engine(t
     assert metrics["rollout_engine_used"] is True and metrics["settings"]["generation_backend"] == "engine"
 
 
+@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
+def test_each_online_algorithm_runs_the_demo_with_the_same_metrics(algorithm, tmp_path, capsys):
+    out = tmp_path / algorithm
+    assert main([*TINY_DEMO, "--algorithm", algorithm, "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"slimrl demo: {algorithm.upper()} on tiny" in printed and "step   2/2  reward" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["settings"]["algorithm"] == algorithm and metrics["status"] == "finished"
+    assert [entry["step"] for entry in metrics["history"]] == [1, 2]
+    for entry in metrics["history"]:  # PPO's objective/scores and rewards/<f> under the demo's names
+        assert {"reward", "rewards/exact_answer_reward/mean", "rewards/format_reward/mean", "loss"} <= entry.keys()
+        assert entry["training_s"] > 0 and entry["reward_s"] >= 0
+    assert metrics["history"][0]["generation_s"] > 0  # PPO generates at the first step of each rollout
+    if algorithm == "ppo":  # one rollout of 4 x 2 problems, trained on for two steps
+        assert "objective/kl" in metrics["history"][0] and metrics["history"][1]["generation_s"] == 0.0
+    assert (out / "adapter" / "adapter_config.json").is_file()
+
+
 def test_version_and_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

@@ -7,17 +7,8 @@ import pytest
 import torch
 
 from slimrl.data import arithmetic_dataset
-from slimrl.demo import (
-    DemoSettings,
-    evaluate,
-    moving_average,
-    nonfinite_skipped_steps,
-    plot_history,
-    resolve_device,
-    set_cpu_threads,
-    step_line,
-    write_json,
-)
+from slimrl.demo import DemoSettings, evaluate, nonfinite_skipped_steps, resolve_device, set_cpu_threads, write_json
+from slimrl.demo_report import demo_logs, moving_average, plot_history, step_line
 
 
 def test_default_settings_are_valid_and_bad_ones_name_the_flag():
@@ -138,3 +129,13 @@ def test_an_adapter_with_nonfinite_weights_is_not_saved_and_the_refusal_is_recor
     summary = {"nonfinite_error": None}
     assert _save_adapter(None, None, tmp_path, summary) is None
     assert summary["nonfinite_error"] == {"during": "saving", "step": None, "message": "these weights hold NaN"}
+
+
+def test_ppo_logs_take_the_names_grpo_and_rloo_log():
+    logs = {"loss": 0.5, "objective/scores": 1.25, "rewards/exact_answer_reward": 0.5, "objective/kl": 0.1}
+    assert demo_logs(logs) == {"loss": 0.5, "objective/scores": 1.25, "rewards/exact_answer_reward/mean": 0.5,
+                               "objective/kl": 0.1, "reward": 1.25}  # fmt: skip
+    grpo = {"loss": 0.5, "reward": 1.0, "rewards/exact_answer_reward/mean": 0.5}
+    assert demo_logs(grpo) is grpo  # GRPO's and RLOO's logs as they are
+    with pytest.raises(ValueError, match="--algorithm must be one of grpo, rloo, ppo"):
+        DemoSettings(algorithm="dpo").validate()

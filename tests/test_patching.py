@@ -93,3 +93,16 @@ def test_user_script_gets_fast_trainer_after_patching():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-2:] == ["True", "True"]
+
+
+def test_ppo_names_are_added_to_trl_and_removed_again():
+    # TRL 1.16 ships no PPOTrainer: patching adds the names, unpatch takes them away (no stale attribute left)
+    assert not hasattr(trl, "PPOTrainer") and not hasattr(trl.trainer, "PPOConfig")
+    slimrl.PatchFastRL("ppo")
+    from trl import PPOConfig, PPOTrainer
+
+    assert PPOTrainer is slimrl.PPOTrainer and PPOConfig is slimrl.PPOConfig
+    assert trl.trainer.PPOTrainer is slimrl.PPOTrainer and patching.is_patched("ppo")
+    slimrl.unpatch("ppo")
+    assert not hasattr(trl, "PPOTrainer") and not hasattr(trl.trainer, "PPOConfig")
+    assert not patching.is_patched("ppo")

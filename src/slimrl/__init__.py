@@ -18,6 +18,8 @@ _LAZY = {
     "GRPOConfig": "slimrl.trainers.grpo_config",
     "RLOOTrainer": "slimrl.trainers.rloo",
     "RLOOConfig": "slimrl.trainers.rloo",
+    "PPOTrainer": "slimrl.trainers.ppo",
+    "PPOConfig": "slimrl.trainers.ppo",
     "SFTTrainer": "slimrl.trainers.sft",
     "SFTConfig": "slimrl.trainers.sft",
     "DPOTrainer": "slimrl.trainers.dpo",

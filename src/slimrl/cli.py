@@ -10,6 +10,7 @@ import slimrl
 EPILOG = """examples:
   slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 15 minutes on 2 CPU cores)
   slimrl demo --steps 100 --device cuda --output-dir runs/demo
+  slimrl demo --algorithm ppo          PPO (value head, GAE, clipped losses) on the same task; or --algorithm rloo
 
 exit status of demo: 0 done, 1 training stopped on a non-finite loss or gradient (metrics.json says where), 2 bad
 settings.
@@ -18,7 +19,7 @@ settings.
 
 def build_parser() -> argparse.ArgumentParser:
     from slimrl.data import DIFFICULTIES
-    from slimrl.demo import DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
+    from slimrl.demo import ALGORITHMS, DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
 
     defaults = DemoSettings()
     parser = argparse.ArgumentParser(
@@ -37,11 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics.json and reward.png to --output-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    demo.add_argument("--algorithm", default=defaults.algorithm, choices=ALGORITHMS,
+                      help="grpo; rloo (leave-one-out baseline); ppo (value head, GAE, one completion per problem, "
+                      "2 optimizer steps per rollout)")  # fmt: skip
     demo.add_argument("--model", default=defaults.model,
                       help="the embedded model's name, a model directory or a .gguf file")  # fmt: skip
-    demo.add_argument("--steps", type=int, default=defaults.steps, help="GRPO optimizer steps")
+    demo.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     demo.add_argument("--output-dir", default=defaults.output_dir, help="where the adapter, metrics and plot go")
-    demo.add_argument("--num-generations", type=int, default=defaults.num_generations, help="completions per prompt")
+    demo.add_argument("--num-generations", type=int, default=defaults.num_generations,
+                      help="completions per prompt (PPO: this many times the prompts, 1 each)")  # fmt: skip
     demo.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step, help="problems per step")
     demo.add_argument("--max-completion-length", type=int, default=defaults.max_completion_length,
                       help="most tokens per completion (the answer is one short line)")  # fmt: skip

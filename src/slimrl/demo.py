@@ -1,7 +1,9 @@
-"""The demo: GRPO with slimrl's trainer teaches SmolLM2-135M-Instruct to answer arithmetic in a fixed format.
+"""The demo: slimrl's GRPO (or RLOO, or PPO) teaches SmolLM2-135M-Instruct to answer arithmetic in a fixed format.
 
 It measures held-out accuracy before and after, prints a line of metrics per step, and saves the adapter, a metrics
-JSON and a plot of reward and accuracy over steps.
+JSON and a plot of reward and accuracy over steps. Every algorithm sees the same problems, rewards and completions
+per step: GRPO and RLOO sample `num_generations` completions of `prompts_per_step` problems, PPO one completion of
+each of `num_generations x prompts_per_step` problems (it needs no group: its value head is the baseline).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 import torch
 
 from slimrl.data import DIFFICULTIES, arithmetic_dataset, split_size
+from slimrl.demo_report import plot_history, print_summary, progress_callback
 from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, is_in_format, normalise_number
 
 TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own tests
 DEVICES = ("auto", "cpu", "cuda")
 GENERATION_BACKENDS = ("auto", "engine", "transformers")  # GRPOConfig.generation_backend, without vLLM
 ON_NONFINITE = ("raise", "skip")  # GRPOConfig.on_nonfinite
-TIMINGS = ("generation_s", "reward_s", "training_s")  # the step timer's parts of each step, kept in the history
+ALGORITHMS = ("grpo", "rloo", "ppo")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class DemoSettings:
     """The demo's settings; the defaults finish in about 15 minutes on 2 CPU cores (872 s measured). `slimrl demo
     --help` says what each one means."""
 
+    algorithm: str = "grpo"  # "grpo" | "rloo" | "ppo"
     model: str = "SmolLM2-135M-Instruct"
     steps: int = 50
     output_dir: str = "outputs/demo"
@@ -52,9 +56,11 @@ class DemoSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}.")
         if self.num_generations < 2:
-            raise ValueError(f"--num-generations must be at least 2 (GRPO compares completions of a prompt with each "
-                             f"other), got {self.num_generations}.")  # fmt: skip
+            raise ValueError(f"--num-generations must be at least 2 (GRPO and RLOO compare completions of a prompt "
+                             f"with each other; PPO takes this many prompts), got {self.num_generations}.")  # fmt: skip
         if not self.learning_rate > 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}.")
         if self.difficulty not in DIFFICULTIES:
@@ -127,51 +133,6 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, batch_size: int = 1
     return {"accuracy": correct_count / len(dataset), "in_format": format_count / len(dataset)}
 
 
-def step_line(step: int, total_steps: int, logs: dict) -> str:
-    """One line of a step's metrics from the trainer's logs: total reward, each reward function's mean, the share of
-    correct answers in the batch, completion length (tokens), loss and step time."""
-    nan = float("nan")
-    parts = [f"step {step:3d}/{total_steps}", f"reward {logs.get('reward', nan):.3f}"]
-    for key, value in logs.items():
-        if key.startswith("rewards/") and key.endswith("/mean"):
-            parts.append(f"{key.removeprefix('rewards/').removesuffix('/mean').removesuffix('_reward')} {value:.3f}")
-    parts.append(f"batch acc {logs.get('rewards/exact_answer_reward/mean', nan):4.0%}")
-    parts.append(f"len {logs.get('completions/mean_length', nan):4.1f}")
-    parts.append(f"loss {logs.get('loss', nan):+.4f}")
-    parts.append(f"{logs.get('step_time', nan):.1f}s")
-    return "  ".join(parts)
-
-
-def _progress_callback(total_steps: int, history: list[dict], timer, on_entry):
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
-
-    class DemoProgress(TrainerCallback):
-        """A progress bar and one line of metrics per optimizer step; keeps each step's numeric logs, with the step
-        timer's split of its time, in `history`, and calls `on_entry()` after each."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", leave=False)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:
-                return  # the end-of-training summary, not a step
-            entry = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
-            timed = timer.step(state.global_step) or {}
-            entry.update({key: round(timed[key], 4) for key in TIMINGS if key in timed})
-            history.append(entry)
-            self.bar.write(step_line(state.global_step, total_steps, logs))
-            on_entry()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.bar.update(1)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.bar.close()
-
-    return DemoProgress()
-
-
 def set_cpu_threads() -> int:
     """All cores for torch's CPU kernels unless OMP_NUM_THREADS says otherwise (the user knows the machine is
     shared). Returns the thread count."""
@@ -180,21 +141,15 @@ def set_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
-    """The demo's GRPOConfig settings."""
+def _common_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
+    """The settings every algorithm's config shares: one optimizer step per logged line, no checkpoints."""
     return dict(
         output_dir=str(output_dir),
         max_steps=settings.steps,
-        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
         gradient_accumulation_steps=1,
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
         learning_rate=settings.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
-        loss_type="dapo",
-        temperature=1.0,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -207,6 +162,38 @@ def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) ->
         generation_backend=settings.generation_backend,
         on_nonfinite=settings.on_nonfinite,
     )
+
+
+def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
+    """The demo's GRPOConfig settings (RLOO's are the same without GRPO's loss_type)."""
+    return dict(
+        _common_config_kwargs(settings, output_dir, device),
+        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
+        loss_type="dapo",
+        temperature=1.0,
+    )
+
+
+def ppo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
+    """The demo's PPOConfig settings: a rollout of num_generations x prompts_per_step problems (as many completions
+    as a GRPO step), trained on for PPO_EPOCHS optimizer steps; value head on the policy, KL to the base model."""
+    return dict(
+        _common_config_kwargs(settings, output_dir, device),
+        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
+        num_mini_batches=1,
+        num_ppo_epochs=PPO_EPOCHS,
+        response_length=settings.max_completion_length,
+        # at 1.0 the 135M model samples a correct answer to few problems; one completion each leaves little to learn
+        temperature=0.7,
+        kl_coef=0.02,
+        vf_coef=0.1,
+    )
+
+
+PPO_EPOCHS = 2  # optimizer steps per PPO rollout: --steps 50 is 25 rollouts
 
 
 def write_json(path: str | Path, data) -> None:
@@ -254,21 +241,46 @@ def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Pat
                    save) -> tuple:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback
 
-    from slimrl import GRPOConfig, GRPOTrainer
     from slimrl.trainers.step_timer import StepTimer
 
     timer = StepTimer()
-    trainer = GRPOTrainer(
+    trainer_class, config_class, kwargs = _algorithm(settings, out / "trainer", device)
+    trainer = trainer_class(
         model=model,
         reward_funcs=[exact_answer_reward, format_reward],
-        args=GRPOConfig(**grpo_config_kwargs(settings, out / "trainer", device)),
+        args=config_class(**kwargs),
         train_dataset=train_set,
         processing_class=tokenizer,
-        callbacks=[_progress_callback(settings.steps, summary["history"], timer, save)],
+        callbacks=[progress_callback(settings.algorithm, settings.steps, summary["history"], timer, save)],
     )
     timer.attach(trainer)
     trainer.remove_callback(PrinterCallback)  # our callback prints a compact line per step instead of the raw dict
     return trainer, timer
+
+
+def _algorithm(settings: DemoSettings, output_dir: Path, device: str) -> tuple[type, type, dict]:
+    """The trainer class, its config class and the config's settings for `settings.algorithm`."""
+    if settings.algorithm == "ppo":
+        from slimrl.trainers.ppo import PPOConfig, PPOTrainer
+
+        return PPOTrainer, PPOConfig, ppo_config_kwargs(settings, output_dir, device)
+    kwargs = grpo_config_kwargs(settings, output_dir, device)
+    if settings.algorithm == "rloo":
+        from slimrl.trainers.rloo import RLOOConfig, RLOOTrainer
+
+        del kwargs["loss_type"]  # RLOO has one loss
+        return RLOOTrainer, RLOOConfig, kwargs
+    from slimrl.trainers.grpo import GRPOTrainer
+    from slimrl.trainers.grpo_config import GRPOConfig
+
+    return GRPOTrainer, GRPOConfig, kwargs
+
+
+def problems_per_step(settings: DemoSettings) -> int:
+    """Distinct training problems an optimizer step samples (a PPO rollout's spread over its PPO_EPOCHS steps)."""
+    if settings.algorithm == "ppo":
+        return settings.num_generations * settings.prompts_per_step / PPO_EPOCHS
+    return settings.prompts_per_step
 
 
 def run_demo(settings: DemoSettings) -> dict:
@@ -288,11 +300,13 @@ def run_demo(settings: DemoSettings) -> dict:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     where = f"{device}, {threads} threads" if threads else device
-    print(f"slimrl demo: GRPO on {settings.model} ({where}), {settings.steps} steps -> {out}")
+    print(f"slimrl demo: {settings.algorithm.upper()} on {settings.model} ({where}), {settings.steps} steps -> {out}")
 
     model, tokenizer = load_model(settings, device)
     # the trainer cycles through the train split when the run asks for more problems than it holds
-    train_size = min(settings.steps * settings.prompts_per_step, split_size(settings.difficulty, "train"))
+    one_batch = settings.num_generations * settings.prompts_per_step  # PPO's rollout needs this many problems
+    wanted = max(round(settings.steps * problems_per_step(settings)), one_batch)
+    train_size = min(wanted, split_size(settings.difficulty, "train"))
     train_set = arithmetic_dataset(train_size, seed=settings.seed, difficulty=settings.difficulty, split="train")
     eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, difficulty=settings.difficulty, split="eval")
     print(f"example prompt: {eval_set[0]['prompt'][-1]['content']!r} (answer {eval_set[0]['answer']})")
@@ -319,71 +333,17 @@ def run_demo(settings: DemoSettings) -> dict:
                    nonfinite_skipped_steps=nonfinite_skipped_steps(summary["history"]),
                    status="nonfinite_error" if summary["nonfinite_error"] else "finished")  # fmt: skip
     write_json(metrics_path, summary)
-    _print_summary(summary, adapter_dir, metrics_path, plot_history(summary, out / "reward.png"))
+    print_summary(summary, adapter_dir, metrics_path, plot_history(summary, out / "reward.png"))
     return summary
 
 
-def _print_summary(summary: dict, adapter_dir, metrics_path: Path, plot_path: Path) -> None:
-    history = summary["history"]
-    first, last = _mean_reward(history[:5]), _mean_reward(history[-5:])
-    print(f"mean reward, first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
-    if summary["nonfinite_skipped_steps"]:
-        print(f"optimizer steps skipped for a non-finite loss or gradient: {summary['nonfinite_skipped_steps']}")
-    print(f"adapter: {adapter_dir or 'not saved (non-finite weights)'}\nmetrics: {metrics_path}\nplot:    {plot_path}")
-    print(f"total time {summary['total_seconds']:.0f}s (training {summary['train_seconds']:.0f}s)")
-
-
-def _mean_reward(entries: list[dict]) -> float:
-    return sum(e["reward"] for e in entries) / len(entries) if entries else float("nan")
-
-
-PLOTTED = (("reward", "total reward"), ("rewards/exact_answer_reward/mean", "correct answer (batch accuracy)"),
-           ("rewards/format_reward/mean", "requested format"))  # fmt: skip
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    """The mean of each value and the up to `window - 1` before it (a step's reward averages only a few prompts)."""
-    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
-
-
-def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
-    """Reward and its correct/format parts per step (faint) with their moving average over `window` steps (solid),
-    and the held-out accuracy before and after training as stars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    history = summary["history"]
-    steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (key, label), color in zip(PLOTTED, ("tab:blue", "tab:green", "tab:orange"), strict=True):
-        values = [h.get(key, float("nan")) for h in history]
-        ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-        ax.plot(steps, moving_average(values, window), color=color, linewidth=2, label=f"{label}, {window}-step mean")
-    before, after = summary["accuracy_before"]["accuracy"], summary["accuracy_after"]["accuracy"]
-    last = steps[-1] if steps else 1
-    ax.scatter([0, last], [before, after], marker="*", s=180, color="black", zorder=5,
-               label=f"held-out accuracy: {before:.0%} before, {after:.0%} after")  # fmt: skip
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward / accuracy")
-    minutes = summary.get("total_seconds", 0) / 60
-    ax.set_title(f"slimrl demo: GRPO on {summary['settings']['model']} ({summary['device']}, {minutes:.1f} min)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 __all__ = [
+    "ALGORITHMS",
     "DemoSettings",
     "evaluate",
     "grpo_config_kwargs",
     "nonfinite_skipped_steps",
-    "plot_history",
+    "ppo_config_kwargs",
     "run_demo",
-    "step_line",
     "write_json",
 ]

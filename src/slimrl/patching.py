@@ -57,10 +57,16 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "reward": _trl_pair("reward", "RewardTrainer", "RewardConfig"),
     "orpo": _experimental_pair("orpo", "ORPOTrainer", "ORPOConfig"),
     "cpo": _experimental_pair("cpo", "CPOTrainer", "CPOConfig"),
+    # TRL 1.16 has no PPO: patching adds trl.PPOTrainer / trl.PPOConfig (slimrl's own), unpatch removes them
+    "ppo": (
+        _Binding("PPOTrainer", ("trl", "trl.trainer"), "slimrl.trainers.ppo"),
+        _Binding("PPOConfig", ("trl", "trl.trainer"), "slimrl.trainers.ppo"),
+    ),
 }
 _ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)
 
 _originals: dict[tuple[str, str], object] = {}  # (trl module, name) -> TRL's object, while patched
+_ABSENT = object()  # in _originals: trl had no such name (PPO), so unpatch deletes it
 _warned_early_imports: set[str] = set()
 
 
@@ -89,8 +95,9 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
     """Make trl's trainer names resolve to slimrl's fast subclasses.
 
     Args:
-        algorithm: one trainer to patch ("grpo", "sft", "dpo", "kto", "orpo", "cpo", "reward"; case-insensitive), or
-            "all" / None for every trainer slimrl supports.
+        algorithm: one trainer to patch ("grpo", "rloo", "ppo", "sft", "dpo", "kto", "orpo", "cpo",
+            "reward"; case-insensitive), or "all" / None for every trainer slimrl supports. TRL 1.16 has no PPO trainer:
+            "ppo" adds `trl.PPOTrainer` / `trl.PPOConfig` (slimrl's own), and unpatch() removes them again.
         FastLanguageModel: accepted for compatibility with Unsloth's signature; slimrl's trainers switch the model
             between inference and training themselves.
     """
@@ -102,7 +109,7 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
             module = importlib.import_module(module_name)
             key = (module_name, binding.name)
             if key not in _originals:
-                _originals[key] = getattr(module, binding.name)
+                _originals[key] = getattr(module, binding.name, _ABSENT)
             setattr(module, binding.name, replacement)
 
 
@@ -111,7 +118,9 @@ def unpatch(algorithm: str | None = None) -> None:
     for binding in _bindings_for(algorithm):
         for module_name in binding.trl_modules:
             original = _originals.pop((module_name, binding.name), None)
-            if original is not None:
+            if original is _ABSENT:
+                delattr(sys.modules[module_name], binding.name)
+            elif original is not None:
                 setattr(sys.modules[module_name], binding.name, original)
 
 

@@ -1,6 +1,7 @@
 """bench/grpo_step.py (W3) on a tiny model on the CPU: both trainers run, each step is split into phases that add up
 to the step, a side that raises is recorded while the other still runs, engine rollouts are recorded as such, and the
-offline tokenizer decodes every id of W1's vocabulary."""
+offline tokenizer decodes every id of W1's vocabulary; --algorithm rloo (TRL's RLOO beside slimrl's) and ppo (slimrl's
+PPO beside slimrl's GRPO) time their own trainers the same way."""
 
 from __future__ import annotations
 
@@ -44,6 +45,60 @@ def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
     first = [report["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl", "trl")]
     assert first[0] == pytest.approx(first[1], abs=1e-5), first  # same model, data and seed: the same first loss
     assert set(report["speedup"]["mean_after_first"]) == {"step_s", "generation_s", "reward_s", "training_s"}
+
+
+def assert_timed_steps(side: dict, steps: int) -> None:
+    """Every step ran, each phase took time, the phases fit in the step, and the loss and step time are finite."""
+    assert side["status"] == "ok", side.get("error")
+    assert side["steps_requested"] == side["steps_run"] == len(side["steps"]) == steps
+    for step in side["steps"]:
+        phases = [step["generation_s"], step["reward_s"], step["training_s"]]
+        assert all(seconds > 0 for seconds in phases), step
+        assert sum(phases) <= step["step_s"] + 1e-3, step  # each value is rounded to 1e-4
+        assert math.isfinite(step["step_s"]) and math.isfinite(step["loss"]), step
+    assert side["mean_all"]["step_s"] > 0 and math.isfinite(side["mean_all"]["loss"])
+
+
+def test_rloo_times_trls_and_slimrls_rloo_trainers(grpo_step, tmp_path):
+    out = tmp_path / "w3_rloo.json"
+    report = grpo_step.main([str(out), "--tiny", "--algorithm", "rloo", "--steps", "2", "--trl-steps", "2"])
+    saved = json.loads(out.read_text())
+    assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
+    assert saved["algorithm"] == "rloo" and list(saved["sides"]) == ["slimrl_rloo", "trl_rloo"]
+    assert saved["settings"]["num_generations"] == 8 and saved["settings"]["beta"] == 0.0
+    for kind, trainer in (("slimrl_rloo", "slimrl.trainers.rloo.RLOOTrainer"), ("trl_rloo", "RLOOTrainer")):
+        side = saved["sides"][kind]
+        assert side["trainer"].endswith(trainer) and side["trainer"].split(".")[0] == kind.split("_")[0]
+        assert_timed_steps(side, 2)
+    first = [saved["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl_rloo", "trl_rloo")]
+    assert first[0] == pytest.approx(first[1], abs=1e-5)  # same model, data, seed and settings: same first loss
+    assert saved["speedup_is"] == "trl_rloo seconds / slimrl_rloo seconds"
+    assert set(saved["speedup"]["mean_after_first"]) == {"step_s", "generation_s", "reward_s", "training_s"}
+
+
+def test_ppo_times_slimrls_ppo_beside_its_grpo_at_the_same_batch(grpo_step, tmp_path):
+    out = tmp_path / "w3_ppo.json"
+    report = grpo_step.main([str(out), "--tiny", "--algorithm", "ppo", "--steps", "2"])
+    saved = json.loads(out.read_text())
+    assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
+    assert list(saved["sides"]) == ["slimrl_ppo", "slimrl_grpo"]
+    assert saved["settings"]["ppo"]["prompts_per_step"] * saved["settings"]["ppo"]["completions_per_prompt"] == 8
+    ppo, grpo = saved["sides"]["slimrl_ppo"], saved["sides"]["slimrl_grpo"]
+    assert ppo["trainer"] == "slimrl.trainers.ppo.PPOTrainer" and grpo["trainer"] == "slimrl.trainers.grpo.GRPOTrainer"
+    assert_timed_steps(ppo, 2)
+    assert_timed_steps(grpo, 2)
+    for step in ppo["steps"]:  # the value/reference scoring pass is timed on its own, inside the training phase
+        assert 0 < step["scoring_pass_s"] < step["training_s"], step
+        assert math.isfinite(step["value_loss"]) and math.isfinite(step["policy_loss"])
+    assert ppo["mean_all"]["scoring_pass_s"] > 0 and "scoring_pass_s" not in grpo["mean_all"]
+    assert saved["speedup_is"] == "slimrl_grpo seconds / slimrl_ppo seconds"
+    assert saved["speedup"]["mean_all"]["step_s"] > 0 and len(saved["speedup"]["per_step"]["step_s"]) == 2
+
+
+def test_skip_names_a_side_of_the_chosen_algorithm(grpo_step):
+    assert grpo_step.parse_args(["x.json", "--algorithm", "ppo", "--skip", "slimrl_grpo"]).skip == ["slimrl_grpo"]
+    with pytest.raises(SystemExit):
+        grpo_step.parse_args(["x.json", "--algorithm", "rloo", "--skip", "trl"])  # grpo's TRL side, not RLOO's
 
 
 def test_a_side_that_raises_is_recorded_and_the_other_still_runs(grpo_step, tmp_path, monkeypatch):

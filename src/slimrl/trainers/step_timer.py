@@ -22,6 +22,11 @@ from transformers import TrainerCallback
 PHASE_METHODS = {"generation": "_generate_single_turn", "reward": "_calculate_rewards"}
 
 
+def phase_methods(trainer) -> dict[str, str]:
+    """The trainer's rollout and reward methods: its `timed_phases` (slimrl's PPO), else TRL's GRPO/RLOO names."""
+    return getattr(trainer, "timed_phases", PHASE_METHODS)
+
+
 class StepTimer(TrainerCallback):
     """Per optimizer step: `step_s`, `generation_s`, `reward_s`, `training_s` (and with `track_memory` on CUDA,
     `generation_peak_GiB`, `training_peak_GiB`, `peak_GiB`), plus `engine_stats` after a rollout by slimrl's engine
@@ -48,7 +53,7 @@ class StepTimer(TrainerCallback):
             raise ValueError("This StepTimer is already attached to a trainer; make one timer per trainer.")
         self._trainer = trainer
         self.cuda = torch.device(trainer.args.device).type == "cuda"
-        for phase, name in PHASE_METHODS.items():
+        for phase, name in phase_methods(trainer).items():
             setattr(trainer, name, self._timed(getattr(trainer, name), phase))
         trainer.add_callback(self)
         return self
@@ -58,7 +63,7 @@ class StepTimer(TrainerCallback):
         trainer, self._trainer = self._trainer, None
         if trainer is None:
             return
-        for name in PHASE_METHODS.values():
+        for name in phase_methods(trainer).values():
             vars(trainer).pop(name, None)  # the instance attribute shadowed the class's method
         trainer.remove_callback(self)
 
