@@ -30,6 +30,8 @@ _LAZY = {
     "ORPOConfig": "slimrl.trainers.orpo",
     "CPOTrainer": "slimrl.trainers.cpo",
     "CPOConfig": "slimrl.trainers.cpo",
+    "OnlineDPOTrainer": "slimrl.trainers.online_dpo",
+    "OnlineDPOConfig": "slimrl.trainers.online_dpo",
     "RewardTrainer": "slimrl.trainers.reward",
     "RewardConfig": "slimrl.trainers.reward",
     "NonFiniteError": "slimrl.trainers.finite",

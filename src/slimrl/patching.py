@@ -36,7 +36,7 @@ def _trl_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
 
 
 def _experimental_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
-    """A trainer and its config under trl.experimental.<key> (ORPO, CPO in TRL 1.16)."""
+    """A trainer and its config under trl.experimental.<key> (ORPO, CPO, online DPO in TRL 1.16)."""
     package = f"trl.experimental.{key}"
     module = f"slimrl.trainers.{key}"
     return (
@@ -57,6 +57,7 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "reward": _trl_pair("reward", "RewardTrainer", "RewardConfig"),
     "orpo": _experimental_pair("orpo", "ORPOTrainer", "ORPOConfig"),
     "cpo": _experimental_pair("cpo", "CPOTrainer", "CPOConfig"),
+    "online_dpo": _experimental_pair("online_dpo", "OnlineDPOTrainer", "OnlineDPOConfig"),
     # TRL 1.16 has no PPO: patching adds trl.PPOTrainer / trl.PPOConfig (slimrl's own), unpatch removes them
     "ppo": (
         _Binding("PPOTrainer", ("trl", "trl.trainer"), "slimrl.trainers.ppo"),
@@ -95,7 +96,7 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
     """Make trl's trainer names resolve to slimrl's fast subclasses.
 
     Args:
-        algorithm: one trainer to patch ("grpo", "rloo", "ppo", "sft", "dpo", "kto", "orpo", "cpo",
+        algorithm: one trainer to patch ("grpo", "rloo", "ppo", "sft", "dpo", "kto", "orpo", "cpo", "online_dpo",
             "reward"; case-insensitive), or "all" / None for every trainer slimrl supports. TRL 1.16 has no PPO trainer:
             "ppo" adds `trl.PPOTrainer` / `trl.PPOConfig` (slimrl's own), and unpatch() removes them again.
         FastLanguageModel: accepted for compatibility with Unsloth's signature; slimrl's trainers switch the model

@@ -80,9 +80,13 @@ class SlimTrainerMixin:
 
     def _record_train_metric(self, name: str, value: float) -> None:
         # TRL's trainers keep their per-step metrics in `_metrics[mode]`; the experimental ORPO / CPO ones in
-        # `_stored_metrics[mode]` (both averaged at the next log)
+        # `_stored_metrics[mode]`; online DPO in `stats[name]` (all averaged at the next log)
         for attribute in ("_metrics", "_stored_metrics"):
             metrics = getattr(self, attribute, None)
             if isinstance(metrics, dict) and ("train" in metrics or hasattr(metrics, "default_factory")):
                 metrics["train"][name].append(value)
                 return
+        stats = getattr(self, "stats", None)
+        if isinstance(stats, dict) and all(isinstance(v, list) for v in stats.values()):
+            stats.setdefault(name, []).append(value)
+            return
