@@ -97,3 +97,41 @@ def test_the_fast_path_rounds_bf16_where_the_models_eager_forward_rounds(fast_pa
     assert torch.equal(fused.silu_mul(gate, up), fused.silu_mul_reference(gate, up))
     assert torch.equal(fused.rms_norm(gate, weight, 1e-5), fused.rms_norm_reference(gate, weight, 1e-5))
     assert sorted(fused._compiled) == ["rms_norm", "silu_mul"]
+
+
+def test_a_compile_failure_or_the_recompile_limit_falls_back_to_the_same_math_once(fast_path_on_cpu, monkeypatch,
+                                                                                     caplog):  # fmt: skip
+    # W5 on the H100 once stopped with FailOnRecompileLimitHit (fullgraph=True) after the norm had seen 8 graphs;
+    # the fast path must run on eagerly instead. One graph allowed: fp32 compiles, fp64 would need a second one.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused, "RECOMPILE_LIMIT", 1)
+    g = torch.Generator().manual_seed(2)
+    for dtype, eager in ((torch.float32, False), (torch.float64, True), (torch.float64, True)):
+        x, weight = torch.randn(3, 5, 16, generator=g).to(dtype), torch.rand(16, generator=g).to(dtype)
+        with caplog.at_level("WARNING", logger="slimrl.ops.fused"):
+            got = fused.rms_norm(x, weight, 1e-6)
+        expected = fused.rms_norm_reference(x, weight, 1e-6)
+        if eager:  # the reference itself ran
+            assert torch.equal(got, expected)
+        assert_close(got, expected, "fp32", name=str(dtype))
+        assert fused._compiled["rms_norm"].failed == eager
+    warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "rms_norm_reference" in warnings[0].getMessage()
+    torch._dynamo.reset()
+
+
+def test_the_fused_ops_may_compile_more_graphs_than_dynamos_default(fast_path_on_cpu, monkeypatch):
+    # the global limit stays as the user set it; the fused ops' own limit applies while they compile
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    g = torch.Generator().manual_seed(3)
+    for shape in ((2, 7, 32), (1, 9, 32), (11, 32)):  # three graphs: a batch, a batch of 1, the tiled MLP's rank 2
+        gate, up = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        assert_close(fused.silu_mul(gate, up), fused.silu_mul_reference(gate, up), "fp32", name=str(shape))
+        assert not fused._compiled["silu_mul"].failed, f"shape {shape} fell back"
+    assert torch._dynamo.config.recompile_limit == 1
+    torch._dynamo.reset()

@@ -6,9 +6,16 @@ chain of memory-bound kernels over [tokens, 8960] and fp32 [tokens, hidden] tens
 
 Tests run the fast path itself on the CPU (inductor's C++ backend compiles the same graph) by adding "cpu" to
 `FAST_PATH_DEVICES` (`monkeypatch.setattr(fused, "FAST_PATH_DEVICES", ("cuda", "cpu"))`).
+
+The fast path never stops a run. Each op meets several graphs (ranks: the model's [batch, seq, hidden], the tiled
+MLP's [tokens, hidden]; a batch of 1; dtypes; grad on or off; frozen or trained weights), more than dynamo's default
+recompile limit of 8, past which fullgraph=True raises: they may compile up to RECOMPILE_LIMIT graphs each, and when
+torch.compile fails or runs out of graphs anyway, `Compiled` logs a warning once and runs the same math eagerly.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +25,38 @@ import torch.nn.functional as F
 # precise than the model's own eager forward (about a quarter of bf16 outputs differ in the last bit), so the
 # engine's log-probs drift from the training forward's. With it, compiled and eager agree bit for bit.
 EAGER_ROUNDING = {"emulate_precision_casts": True}
+RECOMPILE_LIMIT = 32  # graphs each fused op may compile (W5's SFT hit dynamo's default of 8 on an H100)
 FAST_PATH_DEVICES = ("cuda",)  # device types whose tensors take the compiled path; the others run the reference
-_compiled: dict[str, object] = {}
+_compiled: dict[str, Compiled] = {}
+logger = logging.getLogger(__name__)
+
+
+class Compiled:
+    """A torch.compile'd function; on a compile error (the recompile limit included) the eager function takes over
+    for good, with one warning. Errors inside CUDA graph capture are raised: falling back there would record a
+    different graph."""
+
+    def __init__(self, fn, recompile_limit: int | None = None, **compile_kwargs):
+        self.fn = fn
+        self.compiled = torch.compile(fn, **{"options": EAGER_ROUNDING, **compile_kwargs})
+        self.recompile_limit = recompile_limit  # None: dynamo's global setting
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                if self.recompile_limit is None:
+                    return self.compiled(*args, **kwargs)
+                with torch._dynamo.config.patch(recompile_limit=self.recompile_limit):
+                    return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                first_line = str(err).splitlines()[0] if str(err) else ""
+                logger.warning("torch.compile failed for %s (%s: %s); running it eagerly from now on.",
+                               self.fn.__name__, type(err).__name__, first_line)  # fmt: skip
+                self.failed = True
+        return self.fn(*args, **kwargs)
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -35,9 +72,9 @@ def rms_norm_reference(hidden_states: torch.Tensor, weight: torch.Tensor, eps: f
     return weight * (hidden_states * torch.rsqrt(variance + eps)).to(input_dtype)
 
 
-def _fast(name: str, reference):
+def _fast(name: str, reference) -> Compiled:
     if name not in _compiled:
-        _compiled[name] = torch.compile(reference, dynamic=True, fullgraph=True, options=EAGER_ROUNDING)
+        _compiled[name] = Compiled(reference, recompile_limit=RECOMPILE_LIMIT, dynamic=True, fullgraph=True)
     return _compiled[name]
 
 

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from slimrl.ops.fused import EAGER_ROUNDING
+from slimrl.ops.fused import Compiled
 from slimrl.rollout.kv_cache import StepContext
 from slimrl.rollout.model.llama import Decoder, decode_attention, prefill_attention
 from slimrl.rollout.model.reference import EAGER_GROUPED, GroupedOps, prefill_mask
@@ -27,26 +27,6 @@ from slimrl.rollout.stopping import check_stop_strings
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY = 16  # decode steps between looks at "all done" and stop strings
-
-
-class Compiled:
-    """A torch.compile'd function; on a compile error the eager function takes over (once, with a warning)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=None, options=EAGER_ROUNDING)  # bf16 rounded where eager rounds
-        self.failed = False
-
-    def __call__(self, *args, **kwargs):
-        if not self.failed:
-            try:
-                return self.compiled(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same math, eager
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                logger.warning("torch.compile failed for %s (%s); running it eagerly.", self.fn.__name__, err)
-                self.failed = True
-        return self.fn(*args, **kwargs)
 
 
 class Runner:
