@@ -155,3 +155,31 @@ def test_a_deep_copy_gets_its_own_state_with_the_same_settings():
     assert twin_state is not state and twin_state.mlp_tile_tokens == 5
     loss_and_grads(twin)
     assert (twin_state.offloaded, state.offloaded) == (2, 0)
+
+
+def test_a_gradient_free_forward_computes_what_the_checkpointed_forward_computes():
+    # a reference pass or PPO's old log-probs must match the training forward op for op: in bf16 on a GPU the MLP
+    # in tiles (and the fused ops) round differently from the whole layer, which moved W4's DPO loss off log 2
+    from slimrl.models.checkpointing import gradient_free_forward
+
+    model = lora_model().to(torch.bfloat16)
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)
+    model.train()
+    calls = mlp_call_tokens(model)
+    with_grad = model(input_ids=IDS, attention_mask=MASK).logits
+    tiles_with_grad, calls[:] = list(calls), []
+    with torch.no_grad(), gradient_free_forward(model, {"use_reentrant": False}):
+        without_grad = model(input_ids=IDS, attention_mask=MASK).logits
+    assert tiles_with_grad == calls == [5, 5, 5, 1] * 2  # both layers' MLPs in the same tiles, both times
+    assert torch.equal(with_grad.detach(), without_grad)
+    assert model.is_gradient_checkpointing  # the checkpoint function stayed installed and nothing was undone
+
+
+def test_without_offloading_a_gradient_free_forward_turns_checkpointing_off_as_trl_does():
+    from slimrl.models.checkpointing import gradient_free_forward
+
+    model = lora_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with gradient_free_forward(model, {"use_reentrant": False}):
+        assert not model.is_gradient_checkpointing
+    assert model.is_gradient_checkpointing

@@ -20,6 +20,7 @@ Each model keeps its own settings, side streams and counters (`OffloadState`, at
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass, field
@@ -78,8 +79,13 @@ class OffloadState:
         """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
         if kwargs:
             function = _bind(function, kwargs)
-        if not torch.is_tensor(hidden_states) or not torch.is_grad_enabled():
+        if not torch.is_tensor(hidden_states):
             return function(hidden_states, *args)
+        if not torch.is_grad_enabled():
+            # a gradient-free pass (a reference model's, PPO's old log-probs) computes what the training forward
+            # computes, op for op: in bf16 the MLP's tiles and the fused ops round differently from the whole layer
+            split = _splittable_layer(function, args)
+            return function(hidden_states, *args) if split is None else _split_forward(self, *split, hidden_states)
         # A grad-requiring anchor makes autograd call backward even when the hidden states do not require grad (a
         # frozen embedding under LoRA), which is what lets the recomputed layer's LoRA weights receive their gradients.
         anchor = torch.empty(0, device=hidden_states.device, requires_grad=True)
@@ -155,10 +161,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.split = _splittable_layer(function, other_args)
         with torch.no_grad():
             if ctx.split is not None:
-                layer, kwargs = ctx.split
-                fused = _use_fused(hidden_states)
-                residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-                return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
+                return _split_forward(state, *ctx.split, hidden_states)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -206,6 +209,14 @@ def _splittable_layer(function, other_args) -> tuple | None:
     if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
         return None
     return layer, dict(function.keywords)
+
+
+def _split_forward(state: OffloadState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The layer's output without grad as the offloaded forward computes it: attention, then the MLP in tiles of
+    `state.mlp_tile_tokens` tokens, with the fused ops for long sequences."""
+    fused = _use_fused(hidden_states)
+    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
+    return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
 
 
 def _attention(layer, hidden_states: torch.Tensor, kwargs: dict, fused: bool) -> torch.Tensor:
@@ -332,3 +343,14 @@ def disable_offloaded_checkpointing(model) -> None:
 
 def is_offloaded_checkpointing(model) -> bool:
     return offload_state(model) is not None
+
+
+def gradient_free_forward(model, gradient_checkpointing_kwargs: dict | None = None):
+    """The context of a gradient-free forward that must agree with the training forward (a reference pass, old
+    log-probs): TRL's `disable_gradient_checkpointing`, except under offloaded checkpointing, whose checkpoint
+    function computes without grad exactly what the checkpointed training forward computes."""
+    if is_offloaded_checkpointing(model):
+        return contextlib.nullcontext()
+    from trl.models.utils import disable_gradient_checkpointing
+
+    return disable_gradient_checkpointing(model, gradient_checkpointing_kwargs)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import trl
 from accelerate.utils import is_peft_model
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
@@ -165,7 +165,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
         if self.precompute_ref_logps:
             pairs = chunk.rows.to(inputs["ref_chosen_logps"].device)
             return torch.cat([inputs["ref_chosen_logps"][pairs], inputs["ref_rejected_logps"][pairs]])
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), gradient_free_forward(self.model, self.args.gradient_checkpointing_kwargs):
             if is_peft_model(self.model) and self.ref_model is None:
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):

@@ -25,9 +25,9 @@ import torch
 import trl
 from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
@@ -187,7 +187,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     @contextlib.contextmanager
     def _reference_model(self):
         """TRL's reference: the separate model, else the policy with the "ref" adapter (or none) active; no grad."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), gradient_free_forward(self.model, self.args.gradient_checkpointing_kwargs):
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
