@@ -1,5 +1,6 @@
 """Data-parallel training through accelerate (2 CPU processes, gloo): slimrl's chunked step, whose inner backward
-passes skip the gradient all-reduce, logs the same curve as TRL's."""
+passes skip the gradient all-reduce, logs the same curve as TRL's, also with an engine per rank generating half of
+each prompt's group."""
 
 from __future__ import annotations
 
@@ -25,3 +26,5 @@ def test_two_process_ddp_training_matches_trl(tmp_path):
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2
     assert_same_curves(logs["trl"], logs["slimrl"])
+    assert_same_curves(logs["trl_split_group"], logs["slimrl_engine_split_group"])
+    assert len(logs["slimrl_engine_split_group"]) > 1
