@@ -8,7 +8,6 @@ Scripts import it as `from common import ...` after putting this folder on sys.p
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -39,15 +38,6 @@ def environment(cuda: bool) -> dict:
     return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "versions": versions}
 
 
-def write_json(path: str | Path, data) -> None:
-    """Write `data` as JSON through a temporary file and a rename, so a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=1))
-    os.replace(partial, path)
-
-
 class Report(dict):
     """A benchmark's JSON report: a dict with a `problems` list, saved to `path` by `save()`.
 
@@ -60,7 +50,9 @@ class Report(dict):
         self.setdefault("problems", [])
 
     def save(self) -> None:
-        write_json(self.path, self)
+        from slimrl.demo import write_json  # slimrl's atomic JSON write (a reader never sees half a file)
+
+        write_json(self.path, self, indent=1)
 
     @contextlib.contextmanager
     def recording_failure(self) -> Iterator[None]:

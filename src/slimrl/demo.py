@@ -196,12 +196,12 @@ def ppo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> 
 PPO_EPOCHS = 2  # optimizer steps per PPO rollout: --steps 50 is 25 rollouts
 
 
-def write_json(path: str | Path, data) -> None:
+def write_json(path: str | Path, data, indent: int = 2) -> None:
     """Write `data` as JSON through a temporary file and a rename, so a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=2))
+    partial.write_text(json.dumps(data, indent=indent))
     os.replace(partial, path)
 
 

@@ -9,18 +9,9 @@ from collections import defaultdict
 import pytest
 import torch
 
+from slimrl.trainers import kto_loss
 from slimrl.trainers.chunked_step import plan_by_length
 from slimrl.trainers.kto import rows_of, sequence_lengths
-from slimrl.trainers.kto_loss import (
-    COUNT_NAMES,
-    STAT_NAMES,
-    append_metrics,
-    check_loss_type,
-    chunk_stats,
-    kl_reference_point,
-    label_weights,
-    unpaired_losses,
-)
 from tests.tolerances import assert_close
 
 LOGRATIOS = [2.0, -1.0]  # a desirable row, then an undesirable one
@@ -29,7 +20,7 @@ DESIRABLE = [True, False]
 
 def losses_and_grads(loss_type: str, kl: float):
     logratios = torch.tensor(LOGRATIOS, requires_grad=True)
-    losses = unpaired_losses(logratios, torch.tensor(DESIRABLE), torch.tensor(kl), 0.5, loss_type)
+    losses = kto_loss.unpaired_losses(logratios, torch.tensor(DESIRABLE), torch.tensor(kl), 0.5, loss_type)
     losses.sum().backward()
     return losses.detach(), logratios.grad
 
@@ -51,25 +42,25 @@ def test_apo_zero_unpaired_loss_by_hand():
 
 def test_unknown_loss_type_names_the_supported_ones():
     with pytest.raises(ValueError, match=r"loss_type 'bco' is not a KTO loss slimrl supports; use one of kto, apo"):
-        check_loss_type("bco")
+        kto_loss.check_loss_type("bco")
     with pytest.raises(ValueError, match=r"'sigmoid'"):
-        unpaired_losses(torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.tensor(0.0), 0.1, "sigmoid")
+        kto_loss.unpaired_losses(torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.tensor(0.0), 0.1, "sigmoid")
 
 
 def test_label_weights():
-    weights = label_weights(torch.tensor([True, False, True]), 1.5, 0.7, torch.float32)
+    weights = kto_loss.label_weights(torch.tensor([True, False, True]), 1.5, 0.7, torch.float32)
     assert weights.tolist() == pytest.approx([1.5, 0.7, 1.5])
 
 
 def test_kl_reference_point_is_a_detached_mean_over_rows_and_processes_never_below_zero():
     policy = torch.tensor([-1.0, -2.0], requires_grad=True)
     ref = torch.tensor([-2.0, -2.5])  # log-ratios 1.0 and 0.5: mean 0.75
-    alone = kl_reference_point(policy, ref, gather=lambda kl: kl.reshape(1))
+    alone = kto_loss.kl_reference_point(policy, ref, gather=lambda kl: kl.reshape(1))
     assert alone.item() == pytest.approx(0.75) and not alone.requires_grad
     # a second process whose mean is -0.25: (0.75 - 0.25) / 2
-    two = kl_reference_point(policy, ref, gather=lambda kl: torch.stack([kl, torch.tensor(-0.25)]))
+    two = kto_loss.kl_reference_point(policy, ref, gather=lambda kl: torch.stack([kl, torch.tensor(-0.25)]))
     assert two.item() == pytest.approx(0.25)
-    negative = kl_reference_point(torch.tensor([-3.0, -3.0]), ref, gather=lambda kl: kl.reshape(1))
+    negative = kto_loss.kl_reference_point(torch.tensor([-3.0, -3.0]), ref, gather=lambda kl: kl.reshape(1))
     assert negative.item() == 0.0  # mean log-ratio -0.75, clamped
 
 
@@ -79,8 +70,8 @@ def test_chunk_sums_of_the_weighted_loss_are_the_mean_over_the_micro_batch():
     logratios = torch.tensor([0.3, -1.2, 2.0, 0.0, -0.4, 1.1, 0.8])
     desirable = torch.tensor([True, False, True, True, False, False, True])
     kl = torch.tensor(0.25)
-    losses = unpaired_losses(logratios, desirable, kl, 0.2, "kto")
-    weights = label_weights(desirable, 1.3, 0.6, torch.float32)
+    losses = kto_loss.unpaired_losses(logratios, desirable, kl, 0.2, "kto")
+    weights = kto_loss.label_weights(desirable, 1.3, 0.6, torch.float32)
     chunked = sum((weights[rows] * losses[rows]).sum() / len(logratios)
                   for rows in (torch.tensor([0, 4]), torch.tensor([1, 2, 3]), torch.tensor([5, 6])))  # fmt: skip
     by_label = torch.cat([1.3 * losses[desirable], 0.6 * losses[~desirable]])
@@ -90,7 +81,7 @@ def test_chunk_sums_of_the_weighted_loss_are_the_mean_over_the_micro_batch():
 def test_chunk_stats_by_hand():
     """Three rows over three shifted positions; row 2 is desirable with a NaN reward, which the sums skip (TRL's
     nansum)."""
-    stats = chunk_stats(
+    stats = kto_loss.chunk_stats(
         logps=torch.tensor([-3.0, -5.0, -7.0]),
         rewards=torch.tensor([0.2, -0.4, math.nan]),
         desirable=torch.tensor([True, False, True]),
@@ -110,11 +101,11 @@ def test_chunk_stats_by_hand():
         "rejected_rewards_sum": -0.4,
         "rejected_logps_sum": -5.0,
     }
-    assert dict(zip(STAT_NAMES, stats.tolist(), strict=True)) == pytest.approx(expected)
+    assert dict(zip(kto_loss.STAT_NAMES, stats.tolist(), strict=True)) == pytest.approx(expected)
 
 
 def sums(**values) -> dict[str, float]:
-    return {name: 0.0 for name in STAT_NAMES + COUNT_NAMES} | values
+    return {name: 0.0 for name in kto_loss.STAT_NAMES + kto_loss.COUNT_NAMES} | values
 
 
 def test_metrics_by_hand_in_trls_order():
@@ -122,7 +113,7 @@ def test_metrics_by_hand_in_trls_order():
     totals = sums(entropy_sum=10.0, entropy_tokens=4, chosen_logits_sum=0.6, chosen_tokens=3, rejected_logits_sum=0.2,
                   rejected_tokens=1, chosen_rewards_sum=0.9, chosen_logps_sum=-30.0, rejected_rewards_sum=-0.4,
                   rejected_logps_sum=-12.0, num_chosen=3, num_rejected=2)  # fmt: skip
-    append_metrics(metrics, 0.125, totals, total_train_tokens=57)
+    kto_loss.append_metrics(metrics, 0.125, totals, total_train_tokens=57)
     logged = {name: values[-1] for name, values in metrics.items()}
     assert list(logged) == ["kl", "entropy", "num_tokens", "logits/chosen", "logits/rejected", "rewards/chosen",
                             "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins"]  # fmt: skip
@@ -135,7 +126,7 @@ def test_metrics_by_hand_in_trls_order():
 def test_metrics_without_undesirable_rows_or_tokens():
     """No undesirable row: no rejected metrics and no margin (as TRL); no completion token: entropy 0.0."""
     metrics = defaultdict(list)
-    append_metrics(metrics, 0.0, sums(chosen_rewards_sum=1.0, chosen_logps_sum=-4.0, num_chosen=2), 0)
+    kto_loss.append_metrics(metrics, 0.0, sums(chosen_rewards_sum=1.0, chosen_logps_sum=-4.0, num_chosen=2), 0)
     assert dict(metrics) == {"kl": [0.0], "entropy": [0.0], "num_tokens": [0], "rewards/chosen": [0.5],
                              "logps/chosen": [-2.0]}  # fmt: skip
 

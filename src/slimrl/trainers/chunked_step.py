@@ -90,6 +90,16 @@ def take(tensor: torch.Tensor | None, chunk: Chunk, full_width: int) -> torch.Te
     return rows
 
 
+def chunk_sequences(inputs: dict, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) [b, P + width] of a chunk's rows of a prompt/completion batch (TRL's
+    prompt_ids/prompt_mask and completion_ids/completion_mask): the prompts whole, the completions cut to the chunk's
+    width."""
+    width = inputs["completion_ids"].size(1)
+    ids = torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1)
+    attention = torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1)
+    return ids, attention
+
+
 def add_stats(totals: ChunkStats, stats: ChunkStats) -> ChunkStats:
     """`totals` with `stats` added name by name (a new name starts at its first value); the first chunk's names keep
     their order."""

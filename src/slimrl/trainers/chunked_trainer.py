@@ -2,8 +2,11 @@
 and one log line per reason a batch falls back to TRL's one-piece loss.
 
 `ChunkedTrainerMixin` sits after `SlimTrainerMixin` in a slimrl trainer's bases and before TRL's class. The trainer
-calls `_apply_memory_savers()` at the end of `__init__`, and in `compute_loss` plans chunks with
-`_num_chunks_for(lengths, device)` and runs them with `_run_chunks(model, chunks, chunk_loss)`.
+calls `_apply_memory_savers()` at the end of `__init__`; its `compute_loss` hands the batch to
+`_loss_in_chunks_or_one_piece`, which asks the trainer's `_one_piece_reason(inputs, return_outputs)` whether TRL's
+one-piece loss must run, and else calls `_chunked_loss(model, inputs, mode, return_outputs, num_items_in_batch)`
+(the mixin's plan -> chunks -> metrics, or the trainer's own); that plans chunks with `_num_chunks_for(lengths,
+device)` and runs them with `_run_chunks(model, chunks, chunk_loss)`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,32 @@ class ChunkedTrainerMixin:
         from slimrl.trainers.auto_chunks import auto_num_chunks
 
         return auto_num_chunks(self, lengths, device)
+
+    def _loss_in_chunks_or_one_piece(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """What a chunked trainer's `compute_loss` returns: TRL's one-piece loss where the trainer's
+        `_one_piece_reason` names why chunking would not be exact, else the trainer's `_chunked_loss`."""
+        reason = self._one_piece_reason(inputs, return_outputs)
+        if reason is not None:
+            return self._one_piece_loss(reason, model, inputs, return_outputs, num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        return self._chunked_loss(model, inputs, mode, return_outputs, num_items_in_batch)
+
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
+        """The chunked loss, unless the trainer writes its own: `_plan_micro_batch(model, inputs)` computes, before the
+        first chunk, what every chunk depends on (its `chunks` among it); `_chunk_loss(model, inputs, plan, chunk)` is
+        one chunk's share of the loss and its stats; `_log_chunk_metrics(mode, inputs, plan, totals)` logs TRL's
+        metrics from the chunks' summed stats."""
+        plan = self._plan_micro_batch(model, inputs)
+        loss, totals = self._run_chunks(
+            model, plan.chunks, lambda chunk: self._chunk_loss(model, inputs, plan, chunk), num_items_in_batch
+        )
+        self._log_chunk_metrics(mode, inputs, plan, totals)
+        return loss
+
+    def _one_piece_loss(self, reason: str, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's own `compute_loss` (the class after this mixin in the trainer's bases), `reason` logged once."""
+        self._log_fallback(reason)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _log_fallback(self, reason: str) -> None:
         """One warning per reason and trainer: the loss runs through TRL's one-piece path."""

@@ -1,14 +1,8 @@
 """slimrl's CPO trainer: TRL's (experimental) CPOTrainer with a chunked step over the micro-batch's pairs.
 
-Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it), all in
-`paired_forward.PairedChunkedMixin`, which ORPO shares:
-- `__init__`: TRL's signature; checks the datasets' columns and formats before TRL's preprocessing (which would stop
-  on a bare KeyError or IndexError, or silently drop a chat prompt paired with plain-text answers), installs TRL's
-  fused LM head on the model, and turns on the memory savers.
-- `get_batch_loss_metrics`: the pairs run forward and backward in chunks (a pair's two sequences together), through
-  the fused LM head, with the loss normalised over the whole micro-batch, so loss, gradient and TRL's metrics are
-  TRL's; only one chunk's activations are alive at once and the `[tokens, vocab]` logits never are.
-- `compute_loss`: a caller asking for the outputs gets TRL's one-piece loss (the chunked one runs inner backwards).
+Its overrides of TRL's methods (`__init__`, `get_batch_loss_metrics`, `compute_loss`) come from
+`paired_forward.PairedChunkedMixin`, written once for CPO and ORPO and described there: dataset checks before TRL's
+preprocessing, and chunks of whole pairs through TRL's fused LM head, normalised so loss and gradient are TRL's.
 Here: the loss of each `loss_type` (`cpo_pair_terms`, TRL's formulas: sigmoid, hinge, ipo, simpo, and AlphaPO's reward
 shaping with `alpha`) and what CPO's forward reads (`_pair_settings`). `SlimTrainerMixin` (trainers/base.py) adds the
 NaN guards and the attention-backend choice around every step.

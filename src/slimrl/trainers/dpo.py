@@ -89,17 +89,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
         # contract: a scalar loss whose backward() completes TRL's gradient (earlier chunks already backpropagated),
         # TRL's metrics appended to self._metrics[mode] once per micro-batch, eval mode under no_grad unchanged,
         # (loss, outputs) from TRL's own path when return_outputs=True
-        reason = self._one_piece_reason(inputs, return_outputs)
-        if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
-        batch = self._pair_batch(inputs)
-        loss, totals = self._run_chunks(
-            model, batch.chunks, lambda chunk: self._chunk_loss(model, inputs, batch, chunk), num_items_in_batch
-        )
-        self._log_pair_metrics(mode, inputs, totals)
-        return loss
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's one-piece loss, or None when it can be chunked exactly."""
@@ -117,7 +107,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
             return f"loss_type {unknown[0]!r} is not one slimrl knows how to chunk"
         return _layout_problem(inputs)
 
-    def _pair_batch(self, inputs) -> _PairBatch:
+    def _plan_micro_batch(self, model, inputs) -> _PairBatch:
         """The chunk plan over pairs and the micro-batch-wide normalisers."""
         ids, completion_mask = inputs["input_ids"], inputs["completion_mask"]
         num_pairs, width = ids.size(0) // 2, ids.size(1)
@@ -174,7 +164,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
                 outputs = self.ref_model(**kwargs, use_cache=False, labels=labels, fused_lm_head=True)
         return sequence_logps(outputs.log_probs[:, -mask.size(1) :], mask, self.ld_alpha)
 
-    def _log_pair_metrics(self, mode: str, inputs, totals: ChunkStats) -> None:
+    def _log_chunk_metrics(self, mode: str, inputs, batch: _PairBatch, totals: ChunkStats) -> None:
         """Append the micro-batch's metrics in TRL's order, gathered across processes with TRL's reductions."""
         metrics = self._metrics[mode]
         gather = self.accelerator.gather

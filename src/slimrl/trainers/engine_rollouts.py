@@ -36,7 +36,8 @@ class EngineRolloutMixin:
             self.args.generation_backend,
             self.accelerator.unwrap_model(self.model),
             use_vllm=self.use_vllm,
-            use_continuous_batching=self.args.use_transformers_continuous_batching,
+            # TRL's online DPO has no continuous-batching switch: there it is off
+            use_continuous_batching=getattr(self.args, "use_transformers_continuous_batching", False),
             generation_kwargs=self.args.generation_kwargs,
         )
         if self.args.generation_backend == "auto" and self._generation_backend != "engine":

@@ -23,7 +23,7 @@ import torch
 import trl
 
 from slimrl.trainers.base import SlimTrainerMixin
-from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_chunks, run_chunks, take
+from slimrl.trainers.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, run_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
@@ -86,13 +86,9 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         self._start_training_phase(inputs)
-        reason = self._one_piece_reason(inputs)
-        if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return self._chunked_loss(model, inputs)
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
-    def _one_piece_reason(self, inputs) -> str | None:
+    def _one_piece_reason(self, inputs, return_outputs: bool = False) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
         if is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
@@ -102,8 +98,8 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             raise ValueError(f"loss_type {self.loss_type!r} is not supported by slimrl ({', '.join(LOSS_TYPES)}).")
         return None
 
-    def _chunked_loss(self, model, inputs) -> torch.Tensor:
-        mode = "train" if self.model.training else "eval"
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
+        """The micro-batch chunk by chunk; its loss terms carry TRL's accumulation scaling, so no chunk is rescaled."""
         batch = self._micro_batch(model, inputs, mode)
         loss, totals = run_chunks(
             batch.chunks,
@@ -214,13 +210,9 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
 
     def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width)."""
-        width = inputs["completion_ids"].size(1)
+        input_ids, attention_mask = chunk_sequences(inputs, chunk)  # [b, P + t]
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model,
-            torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1),
-            torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1),
-            chunk.width,
-            compute_entropy=True,
+            model, input_ids, attention_mask, chunk.width, compute_entropy=True
         )
         return logps, entropies
 

@@ -98,18 +98,12 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # contract: a scalar loss whose backward() completes TRL's gradient (earlier chunks already backpropagated),
         # TRL's metrics appended to self._metrics[mode] once per micro-batch; (loss, outputs) via TRL's path
-        reason = self._one_piece_reason(inputs, return_outputs)
-        if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
+
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
+        """The mixin's chunked loss, over the batch's tensors on the accelerator's device."""
         batch = {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-        plan = self._micro_batch(model, batch)
-        loss, totals = self._run_chunks(
-            model, plan.chunks, lambda chunk: self._chunk_loss(model, batch, plan, chunk), num_items_in_batch
-        )
-        self._log_metrics(mode, batch, plan, totals)
-        return loss
+        return super()._chunked_loss(model, batch, mode, return_outputs, num_items_in_batch)
 
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
@@ -124,7 +118,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             return f"the batch carries inputs the chunked step does not split ({', '.join(unknown)})"
         return None
 
-    def _micro_batch(self, model, batch) -> _MicroBatch:
+    def _plan_micro_batch(self, model, batch) -> _MicroBatch:
         """The chunk plan, the reference log-probs and the KL reference point, over the whole micro-batch."""
         device = batch["input_ids"].device
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=device)  # [N]
@@ -195,7 +189,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             else:
                 yield self.ref_model
 
-    def _log_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
+    def _log_chunk_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
         """TRL's metrics of the micro-batch: every sum gathered across processes in one call (a [1, K] tensor, so
         gather_for_metrics drops the same duplicated processes as it does for TRL's scalars)."""
         counts = torch.stack([plan.desirable.sum(), (~plan.desirable).sum(), batch["attention_mask"].sum()])

@@ -4,20 +4,18 @@ chunked training step.
 Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
 - `__init__`: TRL's signature; `args=None` or a plain trl OnlineDPOConfig gets slimrl's fields; after TRL's setup it
   installs TRL's fused LM head on the policy (and on a separate reference model), turns on the memory savers and
-  picks the rollout backend.
+  picks the rollout backend (EngineRolloutMixin's choice; TRL's online DPO has no continuous batching).
 - `_generate`: with the "engine" backend, slimrl's rollout engine samples the two completions of every prompt with
   the training weights and the live LoRA adapter; other backends and image prompts go to TRL's path.
 - `training_step` (`ChunkedOnlineDPOStep`, trainers/online_dpo_step.py): the pairs run forward and backward in
   chunks (a pair's chosen and rejected sequence together), the loss a mean over the micro-batch's pairs, so loss,
   gradient and TRL's stats are TRL's.
-- `_choose_generation_backend`: EngineRolloutMixin's choice, for a config without continuous batching.
 `SlimTrainerMixin` (trainers/base.py) adds the NaN guards and the attention-backend choice around every step.
 Everything else (reward functions and models, vLLM, the beta schedule, logging, checkpoints) is TRL's.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +31,6 @@ from slimrl.trainers.rollout_fields import RolloutFields, with_rollout_fields
 from slimrl.trainers.slim_fields import SlimFields
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,23 +67,6 @@ class OnlineDPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin
     def max_completion_length(self) -> int:
         """The engine's token budget per completion: TRL's max_new_tokens."""
         return self.args.max_new_tokens
-
-    def _choose_generation_backend(self) -> None:
-        # contract: EngineRolloutMixin's (the backend chosen, no engine started yet, "auto" leaving the engine
-        # logged); TRL's online DPO has no continuous-batching switch, which the shared method reads
-        from slimrl.trainers.generation import choose_backend
-
-        self._rollout_engine = None
-        self._generation_backend, reason = choose_backend(
-            self.args.generation_backend,
-            self.accelerator.unwrap_model(self.model),
-            use_vllm=self.use_vllm,
-            use_continuous_batching=False,
-            generation_kwargs=self.args.generation_kwargs,
-        )
-        if self.args.generation_backend == "auto" and self._generation_backend != "engine":
-            log = logger.warning if torch.cuda.is_available() else logger.info
-            log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
 
     def _generate(self, model, prompts, images=None):
         # contract: TRL's (prompt ids [2B, P] left-padded and their mask, completion ids [2B, C] padded after the

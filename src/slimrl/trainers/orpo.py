@@ -1,15 +1,9 @@
 """slimrl's ORPO trainer: TRL's (experimental) ORPOTrainer with a chunked step over the micro-batch's pairs.
 
-Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it), all in
-`paired_forward.PairedChunkedMixin`, which CPO shares:
-- `__init__`: TRL's signature; checks the datasets' columns and formats before TRL's preprocessing (which would stop
-  on a bare KeyError or IndexError, or silently drop a chat prompt paired with plain-text answers), installs TRL's
-  fused LM head on the model, and turns on the memory savers.
-- `get_batch_loss_metrics`: the pairs run forward and backward in chunks (a pair's two sequences together), through
-  the fused LM head, with the loss normalised over the whole micro-batch, so loss, gradient and TRL's metrics are
-  TRL's; only one chunk's activations are alive at once and the `[tokens, vocab]` logits never are.
-- `compute_loss`: a caller asking for the outputs gets TRL's one-piece loss (the chunked one runs inner backwards).
-Here: the odds-ratio loss (`odds_ratio_terms`, TRL's formula) and what ORPO's forward reads (`_pair_settings`).
+The overrides of TRL's methods (the constructor's dataset checks, the chunked `get_batch_loss_metrics`, and a
+`compute_loss` that gives callers who want outputs TRL's one-piece loss) are `paired_forward.PairedChunkedMixin`'s,
+shared with CPO and listed in that module's docstring. ORPO's own part: the odds-ratio loss (`odds_ratio_terms`, TRL's
+formula) and what ORPO's forward reads (`_pair_settings`).
 `SlimTrainerMixin` (trainers/base.py) adds the NaN guards and the attention-backend choice around every step.
 
 TRL's one-piece loss runs instead (logged once per reason) for encoder-decoder models, the MoE load-balancing loss,

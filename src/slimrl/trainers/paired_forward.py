@@ -13,6 +13,16 @@ TRL averages `logits/chosen` and `logits/rejected` over every column of the padd
 by default each chunk runs at the micro-batch's padded width. `drop_chunk_padding=True` lets a chunk stop at its
 longest pair (less compute when lengths vary); those two metrics then average over attended tokens only.
 
+The mixin's overrides of TRL's methods, each for one reason (and each keeping TRL's contract, said in a `contract:`
+line beside it):
+- `__init__`: TRL's signature; checks the datasets' columns and formats before TRL's preprocessing (which would stop
+  on a bare KeyError or IndexError, or silently drop a chat prompt paired with plain-text answers), installs TRL's
+  fused LM head on the model, and turns on the memory savers.
+- `get_batch_loss_metrics`: the pairs run forward and backward in chunks (a pair's two sequences together), through
+  the fused LM head, with the loss normalised over the whole micro-batch, so loss, gradient and TRL's metrics are
+  TRL's; only one chunk's activations are alive at once and the `[tokens, vocab]` logits never are.
+- `compute_loss`: a caller asking for the outputs gets TRL's one-piece loss (the chunked one runs inner backwards).
+
 A trainer using the mixin provides `_pair_settings()` and `_pair_terms(chosen_logps, rejected_logps)`.
 """
 

@@ -36,7 +36,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from slimrl.trainers import ppo_math as pm
 from slimrl.trainers import value_model as vm
 from slimrl.trainers.base import SlimTrainerMixin
-from slimrl.trainers.chunked_step import Chunk, plan_chunks, take
+from slimrl.trainers.chunked_step import Chunk, chunk_sequences, plan_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.finite import drop_gradients, trainable_parameters
 from slimrl.trainers.ppo_config import PPOConfig, check_train_dataset
@@ -303,7 +303,7 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         """One chunk's policy and value losses (token sums over the mini-batch's token count), and detached sums."""
         args, width = self.args, inputs["completion_ids"].size(1)
         mask = take(inputs["completion_mask"], chunk, width).float()  # [b, t]
-        ids, attention = vm.chunk_inputs(inputs, chunk)
+        ids, attention = chunk_sequences(inputs, chunk)
         logps, entropies, values = model(ids, attention, chunk.width, args.temperature, with_entropy=True)  # [b, t]
         old_logps = take(inputs["old_logps"], chunk, width)
         ratio = pm.probability_ratio(logps, old_logps)

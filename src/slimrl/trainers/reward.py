@@ -27,7 +27,7 @@ from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.reward_inputs import check_pairs_kept, check_reward_columns
-from slimrl.trainers.sft_chunks import row_lengths, shards_sequences
+from slimrl.trainers.sft_chunks import row_lengths, run_level_obstacle
 from slimrl.trainers.slim_fields import SlimFields, with_slim_fields
 
 __all__ = ["RewardConfig", "RewardTrainer"]
@@ -47,39 +47,15 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
 
     _tag_names = [*trl.RewardTrainer._tag_names, "slimrl"]
 
-    def __init__(
-        self,
-        model,
-        args=None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        compute_metrics=None,
-        callbacks=None,
-        optimizers=(None, None),
-        optimizer_cls_and_kwargs=None,
-        preprocess_logits_for_metrics=None,
-        quantization_config=None,
-        peft_config=None,
-    ):
+    def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
+                 optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None, quantization_config=None,
+                 peft_config=None):  # fmt: skip
         # contract: TRL's arguments, positions and defaults; args=None gets slimrl's RewardConfig named as TRL names it
         args = with_slim_fields(args, model, RewardConfig, "Reward")
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-        )
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, compute_metrics,
+                         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics,
+                         quantization_config, peft_config)  # fmt: skip
         self._apply_memory_savers()
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
@@ -95,11 +71,10 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         # contract: TRL's loss value, and a scalar whose backward() completes TRL's gradient (earlier chunks already
         # backpropagated with HF Trainer's accumulation scaling); TRL's metrics appended to self._metrics[mode];
         # with return_outputs (evaluation), outputs whose logits are TRL's rewards [2P, 1]
-        reason = self._one_piece_reason(inputs, return_outputs)
-        if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
+
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
+        """The micro-batch's pairs scored chunk by chunk; the rewards of all chunks make TRL's metrics and outputs."""
         num_pairs = inputs["input_ids"].size(0) // 2
         lengths = row_lengths(inputs)  # [2P]
         pair_widths = torch.maximum(lengths[:num_pairs], lengths[num_pairs:])  # [P]
@@ -113,7 +88,7 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         return (loss, SequenceClassifierOutputWithPast(logits=rewards)) if return_outputs else loss
 
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
-        """Why this batch must run through TRL's own one-piece loss, or None when chunking is exact."""
+        """Why this batch of pairs must run through TRL's one-piece loss, or None when chunking is exact."""
         if return_outputs and torch.is_grad_enabled():
             return "return_outputs=True with gradients asks for logits attached to the graph of the whole batch"
         input_ids = inputs.get("input_ids")
@@ -122,12 +97,7 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         unknown = sorted(key for key, value in inputs.items() if key not in KNOWN_KEYS and value is not None)
         if unknown:
             return f"the batch carries inputs slimrl does not know how to split ({', '.join(unknown)})"
-        if self.args.activation_offloading:
-            return ("activation_offloading is set, and TRL's offloader expects one forward and one backward per step "
-                    "(slimrl's offload_checkpoints offloads with chunking)")  # fmt: skip
-        if shards_sequences(self.accelerator):
-            return "context or sequence parallelism shards each sequence across ranks"
-        return None
+        return run_level_obstacle(self.args, self.accelerator)
 
     def _chunk_loss(self, model, inputs, chunk: Chunk, num_pairs: int) -> tuple[torch.Tensor, ChunkStats]:
         """The loss terms of one chunk's pairs, each divided by the micro-batch's pair count, and their rewards."""

@@ -3,10 +3,10 @@ pairs it drops without a word: each check is an error (or a warning) naming the 
 
 from __future__ import annotations
 
-import warnings
-
 from datasets import Dataset
 from trl.data_utils import get_dataset_column_names
+
+from slimrl.trainers.sft_inputs import report_dropped_rows
 
 PAIRED_COLUMNS = (("chosen", "rejected"), ("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
 
@@ -36,15 +36,13 @@ def check_reward_columns(dataset, name: str) -> None:
 def check_pairs_kept(prepared, original, name: str, max_length: int | None) -> None:
     """TRL does not truncate preference pairs: it drops every pair whose chosen or rejected sequence is longer than
     max_length, silently. A warning when some went, an error when all did."""
-    if max_length is None or not isinstance(prepared, Dataset) or not isinstance(original, Dataset):
+    if max_length is None:
         return
-    dropped = len(original) - len(prepared)
-    if dropped <= 0:
-        return
-    message = (
-        f"{dropped} of the {len(original)} pairs of the {name} dataset have a chosen or rejected sequence longer "
-        f"than max_length={max_length}; TRL does not truncate pairs, it leaves them out"
+    report_dropped_rows(
+        prepared,
+        original,
+        lambda dropped, total: f"{dropped} of the {total} pairs of the {name} dataset have a chosen or rejected "
+        f"sequence longer than max_length={max_length}; TRL does not truncate pairs, it leaves them out",
+        when_all="Raise max_length, or set max_length=None.",
+        when_some=". Raise max_length to keep them.",
     )
-    if dropped == len(original):
-        raise ValueError(f"{message}, so nothing is left to train on. Raise max_length, or set max_length=None.")
-    warnings.warn(f"{message}. Raise max_length to keep them.", UserWarning, stacklevel=4)

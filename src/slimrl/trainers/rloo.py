@@ -30,7 +30,7 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from slimrl.trainers.base import SlimTrainerMixin
-from slimrl.trainers.chunked_step import Chunk, ChunkStats, plan_chunks, take
+from slimrl.trainers.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.grpo_inputs import is_multimodal
@@ -59,35 +59,14 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
     _tag_names = [*trl.RLOOTrainer._tag_names, "slimrl"]
     single_turn_returns_logprobs = False  # TRL's RLOO `_generate_single_turn` returns completion ids only
 
-    def __init__(
-        self,
-        model,
-        reward_funcs,
-        args=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-    ):
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
+                 peft_config=None):  # fmt: skip
         # contract: TRL's arguments, positions and defaults; args=None gets slimrl's RLOOConfig named as TRL names it
         args = with_rollout_fields(args, model, RLOOConfig, "RLOO")
-        super().__init__(
-            model,
-            reward_funcs,
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-        )
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config,
+                         peft_config)  # fmt: skip
         self._apply_memory_savers()
         self._choose_generation_backend()
 
@@ -99,11 +78,10 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         # micro-batch, eval mode under no_grad unchanged
         if return_outputs:
             raise ValueError("The RLOOTrainer does not support returning outputs")
-        reason = self._one_piece_reason(inputs)
-        if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
+
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
+        """The micro-batch's sequences chunk by chunk, each term over the micro-batch's sequence count."""
         completion_mask = inputs["completion_mask"]  # [N, T]
         lengths = (inputs["prompt_mask"].sum(1) + completion_mask.sum(1)).tolist()
         chunks = plan_chunks(completion_mask, self._num_chunks_for(lengths, completion_mask.device))
@@ -114,7 +92,7 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         self._log_chunk_metrics(mode, totals)
         return loss
 
-    def _one_piece_reason(self, inputs) -> str | None:
+    def _one_piece_reason(self, inputs, return_outputs: bool = False) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
         if is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
@@ -147,14 +125,10 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
 
     def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width)."""
-        width = inputs["completion_ids"].size(1)
+        input_ids, attention_mask = chunk_sequences(inputs, chunk)  # [b, P + t]
         # TRL's own method: the chunk is already the size of one forward, so the scoring split below is not wanted
         logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-            model,
-            torch.cat([take(inputs["prompt_ids"], chunk, -1), take(inputs["completion_ids"], chunk, width)], 1),
-            torch.cat([take(inputs["prompt_mask"], chunk, -1), take(inputs["completion_mask"], chunk, width)], 1),
-            chunk.width,
-            compute_entropy=True,
+            model, input_ids, attention_mask, chunk.width, compute_entropy=True
         )
         return logps, entropies
 

@@ -38,7 +38,7 @@ from slimrl.trainers.sft_chunks import (
     plan_packed,
     plan_rows,
     row_lengths,
-    shards_sequences,
+    run_level_obstacle,
     unsplit_keys,
 )
 from slimrl.trainers.sft_inputs import (
@@ -84,44 +84,16 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
 
     _tag_names = [*trl.SFTTrainer._tag_names, "slimrl"]
 
-    def __init__(
-        self,
-        model,
-        args=None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        compute_loss_func=None,
-        compute_metrics=None,
-        callbacks=None,
-        optimizers=(None, None),
-        optimizer_cls_and_kwargs=None,
-        preprocess_logits_for_metrics=None,
-        quantization_config=None,
-        peft_config=None,
-        formatting_func=None,
-    ):
+    def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None, formatting_func=None):  # fmt: skip
         # contract: TRL's arguments, positions and defaults; args=None gets slimrl's SFTConfig named as TRL names it
         args = sft_args(args, model)
         check_not_empty(train_dataset, "train")
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-            formatting_func=formatting_func,
-        )
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, compute_loss_func,
+                         compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics, quantization_config, peft_config, formatting_func)  # fmt: skip
         if self._skip_prepare_dataset and not self._is_vision_dataset:
             datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in {"train": self.train_dataset, **datasets}.items():
@@ -140,14 +112,14 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # contract: TRL's loss value, and a scalar whose backward() completes TRL's gradient (earlier chunks already
         # backpropagated with HF Trainer's accumulation scaling); TRL's metrics appended to self._metrics[mode]
-        reason = self._one_piece_reason(inputs, return_outputs)
-        plan = None
-        if reason is None:
-            plan, reason = self._plan(inputs)
+        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
+
+    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
+        """The micro-batch through the fused LM head chunk by chunk; a packed row whose sequences cannot be told
+        apart still goes through TRL's one-piece loss."""
+        plan, reason = self._plan(inputs)
         if reason is not None:
-            self._log_fallback(reason)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
+            return self._one_piece_loss(reason, model, inputs, return_outputs, num_items_in_batch)
         normaliser, scale = self._normaliser(inputs, num_items_in_batch)
         loss, totals = self._run_chunks(
             model,
@@ -174,11 +146,9 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
             return "vision inputs are not chunked"
         if self.args.use_liger_kernel:
             return "use_liger_kernel is set, and Liger's kernels have not been verified under the chunked step"
-        if self.args.activation_offloading:
-            return ("activation_offloading is set, and TRL's offloader expects one forward and one backward per step "
-                    "(slimrl's offload_checkpoints offloads with chunking)")  # fmt: skip
-        if shards_sequences(self.accelerator):
-            return "context or sequence parallelism shards each sequence across ranks"
+        obstacle = run_level_obstacle(self.args, self.accelerator)
+        if obstacle is not None:
+            return obstacle
         unwrapped = self.accelerator.unwrap_model(self.model)
         if is_peft_model(unwrapped) and getattr(unwrapped.active_peft_config, "is_prompt_learning", False):
             return "prompt-learning PEFT adds virtual tokens that change which labels the LM head scores"

@@ -38,6 +38,16 @@ def shards_sequences(accelerator) -> bool:
     return config is not None and bool(getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False))
 
 
+def run_level_obstacle(args, accelerator) -> str | None:
+    """Why no batch of this run can be chunked exactly, whatever it holds (SFT and reward models), or None."""
+    if args.activation_offloading:
+        return ("activation_offloading is set, and TRL's offloader expects one forward and one backward per step "
+                "(slimrl's offload_checkpoints offloads with chunking)")  # fmt: skip
+    if shards_sequences(accelerator):
+        return "context or sequence parallelism shards each sequence across ranks"
+    return None
+
+
 def is_padding_free(inputs: dict) -> bool:
     return inputs.get("attention_mask") is None and inputs.get("position_ids") is not None
 

@@ -55,18 +55,32 @@ def check_sft_columns(dataset, name: str, text_field: str, has_formatting_func: 
 def check_preparation_kept_examples(prepared, original, name: str, max_length: int | None, packing: bool) -> None:
     """TRL truncates to max_length and then drops examples left with no loss token (e.g. a prompt longer than
     max_length under completion-only loss) without a word: a warning when some went, an error when all did."""
-    if packing or max_length is None or not isinstance(prepared, Dataset) or not isinstance(original, Dataset):
+    if packing or max_length is None:
+        return
+    report_dropped_rows(
+        prepared,
+        original,
+        lambda dropped, total: f"{dropped} of the {total} examples of the {name} dataset kept no token to train on "
+        f"after truncation to max_length={max_length} (their loss tokens, e.g. the completion, all lie past it)",
+        when_all="Raise max_length, or shorten the prompts.",
+        when_some="; they are left out. Raise max_length to keep them.",
+    )
+
+
+def report_dropped_rows(prepared, original, describe, when_all: str, when_some: str) -> None:
+    """After TRL's preparation of `original` into `prepared` (both map-style datasets, else nothing is counted): an
+    error when it left out every row, a warning when it left out some. `describe(dropped, total)` says which rows
+    went and why; `when_all` (after ", so nothing is left to train on. ") and `when_some` end the message."""
+    if not isinstance(prepared, Dataset) or not isinstance(original, Dataset):
         return
     dropped = len(original) - len(prepared)
     if dropped <= 0:
         return
-    message = (
-        f"{dropped} of the {len(original)} examples of the {name} dataset kept no token to train on after "
-        f"truncation to max_length={max_length} (their loss tokens, e.g. the completion, all lie past it)"
-    )
+    message = describe(dropped, len(original))
     if dropped == len(original):
-        raise ValueError(f"{message}, so nothing is left to train on. Raise max_length, or shorten the prompts.")
-    warnings.warn(f"{message}; they are left out. Raise max_length to keep them.", UserWarning, stacklevel=4)
+        raise ValueError(f"{message}, so nothing is left to train on. {when_all}")
+    # the caller's caller is the trainer's `_prepare_dataset`; the warning points at the user's constructor call
+    warnings.warn(f"{message}{when_some}", UserWarning, stacklevel=5)
 
 
 def check_pretokenized_lengths(dataset, name: str, max_length: int | None) -> None:

@@ -18,7 +18,8 @@ top of the directory, a separate value model under `value_model/`, and a value h
 `value_head.safetensors`.
 
 Beside the module: the other models PPO keeps (`reference_model`), the tensors a rollout's sequences become
-(`rollout_tensors`, `chunk_inputs`) and the gradient-free pass that scores a rollout (`score_rollout`).
+(`rollout_tensors`; a chunk's rows of them come from `chunked_step.chunk_sequences`) and the gradient-free pass that
+scores a rollout (`score_rollout`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from slimrl.models.unwrap import unwrap_model
-from slimrl.trainers.chunked_step import Chunk, take
+from slimrl.trainers.chunked_step import Chunk, chunk_sequences
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_MODEL_DIR = "value_model"
@@ -275,14 +276,6 @@ def sequence_lengths(batch: dict) -> list[int]:
     return (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
 
 
-def chunk_inputs(batch: dict, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, attention mask) of a chunk's rows: the prompts and the completions cut to the chunk's width."""
-    width = batch["completion_ids"].size(1)
-    ids = torch.cat([take(batch["prompt_ids"], chunk, -1), take(batch["completion_ids"], chunk, width)], 1)
-    attention = torch.cat([take(batch["prompt_mask"], chunk, -1), take(batch["completion_mask"], chunk, width)], 1)
-    return ids, attention
-
-
 @torch.no_grad()
 def score_rollout(model: PolicyAndValue, ref_model: nn.Module | None, batch: dict, chunks: list[Chunk],
                   temperature: float, with_reference: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,7 +286,7 @@ def score_rollout(model: PolicyAndValue, ref_model: nn.Module | None, batch: dic
     mask = batch["completion_mask"]
     old_logps, values, ref_logps = (torch.zeros(mask.shape, device=mask.device) for _ in range(3))
     for chunk in chunks:
-        ids, attention = chunk_inputs(batch, chunk)
+        ids, attention = chunk_sequences(batch, chunk)
         logps, _, chunk_values = model(ids, attention, chunk.width, temperature)
         old_logps[chunk.rows, : chunk.width], values[chunk.rows, : chunk.width] = logps, chunk_values
         if not with_reference:
@@ -307,6 +300,6 @@ def score_rollout(model: PolicyAndValue, ref_model: nn.Module | None, batch: dic
     return old_logps, values, ref_logps
 
 
-__all__ = ["PolicyAndValue", "ValueHead", "chunk_inputs", "completion_states", "cut_at_eos", "disable_dropout",
+__all__ = ["PolicyAndValue", "ValueHead", "completion_states", "cut_at_eos", "disable_dropout",
            "left_pad", "load_policy", "load_weights", "policy_logprobs", "reference_model", "rollout_tensors",
            "score_rollout", "sequence_lengths"]  # fmt: skip
