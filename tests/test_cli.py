@@ -57,6 +57,7 @@ def test_each_online_algorithm_runs_the_demo_with_the_same_metrics(algorithm, tm
     assert main([*TINY_DEMO, "--algorithm", algorithm, "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"slimrl demo: {algorithm.upper()} on tiny" in printed and "step   2/2  reward" in printed
+    assert "nans" not in printed and "len  nan" not in printed  # every algorithm reports length and step time
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["settings"]["algorithm"] == algorithm and metrics["status"] == "finished"
     assert [entry["step"] for entry in metrics["history"]] == [1, 2]

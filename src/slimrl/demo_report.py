@@ -53,6 +53,8 @@ def progress_callback(algorithm: str, total_steps: int, history: list[dict], tim
                 return  # the end-of-training summary, not a step
             entry = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
             timed = timer.step(state.global_step) or {}
+            if "step_time" not in logs and "step_s" in timed:  # PPO logs no step time: the timer's
+                logs = {**logs, "step_time": timed["step_s"]}
             entry.update({key: round(timed[key], 4) for key in TIMINGS if key in timed})
             history.append(entry)
             self.bar.write(step_line(state.global_step, total_steps, logs))

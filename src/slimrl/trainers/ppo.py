@@ -278,6 +278,7 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         means["objective/rlhf_reward"] = means["objective/non_score_reward"] + means["objective/scores"]
         eos = torch.isin(batch["completion_ids"], torch.tensor(self.eos_token_ids, device=mask.device)) & mask
         means["val/num_eos_tokens"] = float(self.accelerator.reduce(eos.sum(), reduction="sum").item())
+        means["completions/mean_length"] = self._mean_across(mask.sum(1).float().mean())  # as GRPO names it
         self._episode += len(scores) * self.accelerator.num_processes
         return means
 
