@@ -8,6 +8,9 @@ does, and save the LoRA adapter.
     python examples/offline_arithmetic.py dpo [--steps 12] [--output-dir outputs/dpo]
 
 `PatchFastRL(algorithm)` makes `trl.SFTTrainer` / `trl.DPOTrainer` slimrl's; the rest is plain TRL.
+
+Measured on this project's 2-core CPU machine, idle (wall time of the whole command, model load and both evaluations
+included): SFT 89 s, held-out accuracy 42% -> 79%; DPO 109 s (4 pairs a step), 42% -> 54%.
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ def main(argv=None) -> dict:
         config_cls, trainer_cls, extra = trl.SFTConfig, trl.SFTTrainer, {"learning_rate": 2e-4}
     else:
         data = Dataset.from_list(rows)
-        config_cls, trainer_cls, extra = trl.DPOConfig, trl.DPOTrainer, {"learning_rate": 5e-5, "beta": 0.1}
-    config = config_cls(output_dir=args.output_dir or f"outputs/{args.algorithm}", per_device_train_batch_size=8,
+        # 4 pairs a step: a DPO step runs the policy on both replies and the reference too (3x SFT's forwards)
+        config_cls, trainer_cls, extra = trl.DPOConfig, trl.DPOTrainer, {"learning_rate": 1e-4, "beta": 0.1,
+                                                                          "per_device_train_batch_size": 4}
+    extra.setdefault("per_device_train_batch_size", 8)
+    config = config_cls(output_dir=args.output_dir or f"outputs/{args.algorithm}",
                         max_steps=args.steps, logging_steps=5, report_to="none", save_strategy="no",
                         bf16=cuda, use_cpu=not cuda, seed=args.seed, **extra)  # fmt: skip
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=tokenizer)
