@@ -11,6 +11,7 @@ package (recorded as missing where it is not installed).
 
     python bench/preference_memory.py $OUT/w4.json --algorithm dpo [--lengths 1024 4096 16384]
     python bench/preference_memory.py $OUT/w5.json --algorithm sft [--lengths 4096 16384 65536]
+        [--sides trl liger slimrl] [--mlp-tile-tokens N]
     python bench/preference_memory.py /tmp/w4_tiny.json --algorithm dpo --tiny      # CPU smoke run, 2-layer model
 
 Exit status 1 when a side raised anything but OOM, or when slimrl's loss differs from TRL's at some L where both ran
@@ -63,7 +64,7 @@ def trainer_classes(algorithm: str, side: str):
     return (trl.DPOTrainer, trl.DPOConfig) if algorithm == "dpo" else (trl.SFTTrainer, trl.SFTConfig)
 
 
-def build_trainer(algorithm: str, side: str, model, length: int, cuda: bool):
+def build_trainer(algorithm: str, side: str, model, length: int, cuda: bool, mlp_tile_tokens: int | None = None):
     from slimrl.testing import tiny_tokenizer
 
     trainer_cls, config_cls = trainer_classes(algorithm, side)
@@ -74,6 +75,8 @@ def build_trainer(algorithm: str, side: str, model, length: int, cuda: bool):
         settings.update(beta=0.1, loss_type="sigmoid")
     if side == "slimrl":
         settings["num_chunks"] = "auto"
+        if mlp_tile_tokens is not None:
+            settings["mlp_tile_tokens"] = mlp_tile_tokens
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = config_cls(**settings)
@@ -120,7 +123,7 @@ def run_side(args, side: str, length: int, cuda: bool) -> dict | str:
                      dtype=None if cuda else torch.float32)  # fmt: skip
     trainer = None
     try:
-        trainer = build_trainer(args.algorithm, side, model, length, cuda)
+        trainer = build_trainer(args.algorithm, side, model, length, cuda, args.mlp_tile_tokens)
         return measure(trainer, cuda)
     except torch.OutOfMemoryError:
         return "OOM"
@@ -147,6 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", help="completion (DPO) or sequence (SFT) lengths")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--tiny", action="store_true", help="2-layer model on the CPU, short lengths: a smoke run")
+    parser.add_argument("--mlp-tile-tokens", type=int, default=None, help="slimrl's MLP tile (default: its own)")
     args = parser.parse_args(argv)
     if args.lengths is None:
         args.lengths = [32, 64] if args.tiny else DEFAULT_LENGTHS[args.algorithm]
