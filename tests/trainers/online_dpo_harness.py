@@ -12,6 +12,7 @@ from trl.experimental import online_dpo as trl_online_dpo
 import slimrl
 from slimrl.testing import EOS, tiny_config, tiny_model, tiny_prompt_dataset, tiny_tokenizer
 from slimrl.trainers.online_dpo_step import rank_pairs
+from tests.trainers.run_settings import CPU_RUN
 
 PAIRS = 4  # prompts per micro-batch: 8 completions
 # the completions `scripted_generation` hands out, rows i and 4 + i completing prompt i: ragged lengths, digits and
@@ -103,11 +104,7 @@ def build_trainer(kind: str, reward_funcs=None, ranking: str = "functions", peft
         per_device_train_batch_size=PAIRS,
         max_new_tokens=16,
         max_length=128,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
     )
     lora = lora_config(lora_dropout=config.pop("lora_dropout", 0.0))
     settings.update(config)

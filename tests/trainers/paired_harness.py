@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from slimrl.testing import tiny_tokenizer  # noqa: E402
 from tests.trainers.grpo_harness import lora_tiny_model  # noqa: E402
+from tests.trainers.run_settings import CPU_RUN  # noqa: E402
 
 PAIRS = 6  # pairs per micro-batch in the parity tests
 
@@ -77,11 +78,7 @@ def build_with_classes(trainer_cls, config_cls, algorithm: str, model=None, data
         output_dir=config.pop("output_dir", f"/tmp/slimrl-test-{algorithm}"),
         per_device_train_batch_size=PAIRS,
         max_length=128,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
         gradient_checkpointing=False,
         beta=0.2,
     )

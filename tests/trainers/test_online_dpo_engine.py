@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimrl.rollout.engine import RolloutEngine
 from slimrl.testing import tiny_model
 from tests.trainers.online_dpo_harness import PAIRS, build_trainer, prompt_batch
+from tests.trainers.run_settings import spy_on_engine_generate
 
 # Logged values that measure time, not training results.
 TIMINGS = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -43,14 +43,7 @@ def test_engine_path_trains_exactly_as_the_transformers_path_on_cpu(monkeypatch)
     """The engine generates each micro-batch's pairs (with the live adapter: the policy drifts off its reference),
     frees its KV cache after each, and the same seed gives the same completions, so the logged curve equals the
     transformers backend's."""
-    calls = []
-    original = RolloutEngine.generate
-
-    def spy(self, prompts, params, max_new_tokens=None):
-        calls.append((len(prompts), params.temperature, params.sampler, params.logprobs, max_new_tokens))
-        return original(self, prompts, params, max_new_tokens)
-
-    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    calls = spy_on_engine_generate(monkeypatch)
     logs = {}
     for backend in ("transformers", "engine"):
         trainer = build_trainer("slimrl", model=ragged_model(), generation_backend=backend, max_steps=3,

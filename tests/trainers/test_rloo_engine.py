@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import slimrl
-from slimrl.rollout.engine import RolloutEngine
 from tests.trainers.rloo_harness import build_trainer, length_reward
+from tests.trainers.run_settings import spy_on_engine_generate
 
 # Logged values that measure time, not training results.
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -51,14 +51,7 @@ def test_engine_path_trains_exactly_as_the_transformers_path_on_cpu(monkeypatch)
     """The engine generates every rollout (with the live "default" adapter, not TRL's frozen "ref" copy beside it),
     frees its KV cache after each, and the same seed gives the same completions, so the logged curve equals the
     transformers backend's (fp32) with the KL penalty on."""
-    calls = []
-    original = RolloutEngine.generate
-
-    def spy(self, prompts, params, max_new_tokens=None):
-        calls.append((len(prompts), params.temperature, params.sampler, params.logprobs, max_new_tokens))
-        return original(self, prompts, params, max_new_tokens)
-
-    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    calls = spy_on_engine_generate(monkeypatch)
     logs = {}
     for backend in ("transformers", "engine"):
         trainer = build_trainer("slimrl", reward_funcs=length_reward, generation_backend=backend, max_steps=3,
