@@ -18,7 +18,7 @@ from peft import LoraConfig
 
 import slimrl
 from slimrl.testing import tiny_model, tiny_tokenizer
-from tests.tolerances import assert_close
+from tests.trainers import step_compare
 
 # Eight pairs of different lengths: an empty prompt (its first completion token has no label, so the shifted and
 # unshifted completion masks differ), pairs whose rejected answer is the longer one, and lengths from 2 to 21 tokens.
@@ -106,41 +106,12 @@ def preference_batch(trainer, n: int = NUM_PAIRS, greedy_pairs: tuple[int, ...] 
     return batch
 
 
-def loss_grads_metrics(trainer, batch: dict, accumulation: int = 1, train: bool = True):
-    """One compute_loss, and in train mode the backward HF Trainer runs (the loss over the accumulation steps):
-    the loss value, each trainable parameter's gradient, the metrics the call logged."""
-    model = trainer.model
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    mode = "train" if train else "eval"
-    trainer._metrics[mode].clear()
-    trainer._total_train_tokens = 0
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    if train:
-        loss = trainer.compute_loss(model, inputs)
-        (loss / accumulation).backward()
-    else:
-        with torch.no_grad():
-            loss = trainer.compute_loss(model, inputs)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
-    return loss.detach(), grads, metrics
+loss_grads_metrics = step_compare.loss_grads_metrics  # divided for accumulation, as HF Trainer divides
 
 
 def assert_same_step(expected, actual, label: str, train: bool = True) -> None:
-    """Loss, every gradient (relative to its tensor's largest entry) and every metric, at the fp32 tolerances."""
-    (loss_e, grads_e, metrics_e), (loss_a, grads_a, metrics_a) = expected, actual
-    assert bool(grads_e) == train, f"{label}: the reference {'lacks' if train else 'has'} gradients"
-    assert_close(loss_a, loss_e, name=f"{label}: loss")
-    assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
-    for name, grad in grads_e.items():
-        scale = grad.abs().max().item()
-        assert scale > 0, f"{label}: {name} got a zero gradient from TRL, so the comparison would be vacuous"
-        assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (x1/{scale:.3g})")
-    assert list(metrics_a) == list(metrics_e), f"{label}: metrics {list(metrics_a)} != {list(metrics_e)}"
-    for name, value in metrics_e.items():
-        assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
+    """Loss, every gradient (none of TRL's may be zero) and every metric, at the fp32 tolerances."""
+    step_compare.assert_same_step(expected, actual, label, train, nonzero_reference=True)
 
 
 TIMING = ("runtime", "per_second", "_time")  # logged values that measure time, not training

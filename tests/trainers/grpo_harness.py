@@ -10,6 +10,8 @@ from peft import LoraConfig, get_peft_model
 
 import slimrl
 from slimrl.testing import tiny_model, tiny_prompt_dataset, tiny_tokenizer
+from tests.trainers import step_compare
+from tests.trainers.run_settings import CPU_RUN
 
 BATCH, PROMPT_LEN, COMPLETION_LEN = 8, 5, 12
 COMPLETION_LENGTHS = [12, 3, 7, 12, 1, 9, 5, 0]  # ragged, with a full-length, a 1-token and an empty completion
@@ -38,11 +40,7 @@ def build_trainer(kind: str, arch: str = "llama", model=None, reward_funcs=zero_
         per_device_train_batch_size=BATCH,
         num_generations=4,
         max_completion_length=COMPLETION_LEN,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
     )
     settings.update(config)
     if kind == "trl":
@@ -90,20 +88,5 @@ def generated_batch(seed: int = 0, old_logps: bool = False, ref_logps: bool = Fa
 
 
 def loss_grads_metrics(trainer, batch, accumulation: int = 1, train: bool = True):
-    """One compute_loss (+ backward in train mode): the loss value, each trainable parameter's grad, the metrics."""
-    model = trainer.model
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    mode = "train" if train else "eval"
-    trainer._metrics[mode].clear()
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    if train:
-        loss = trainer.compute_loss(model, inputs)
-        loss.backward()
-    else:
-        with torch.no_grad():
-            loss = trainer.compute_loss(model, inputs)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
-    return loss.detach(), grads, metrics
+    """One compute_loss (+ backward in train mode; GRPO's loss is already divided for accumulation)."""
+    return step_compare.loss_grads_metrics(trainer, batch, accumulation, train, divide=False)

@@ -11,6 +11,7 @@ from peft import LoraConfig
 
 import slimrl
 from slimrl.testing import tiny_model, tiny_tokenizer
+from tests.trainers import step_compare
 from tests.trainers.grpo_harness import lora_tiny_model
 
 BATCH = 8
@@ -84,23 +85,4 @@ def first_batch(trainer) -> dict:
     return next(iter(trainer.get_train_dataloader()))
 
 
-def loss_grads_metrics(trainer, batch, accumulation: int = 1, train: bool = True):
-    """One compute_loss (+ backward in train mode, divided by the accumulation steps as HF Trainer divides it): the
-    loss value, each trainable parameter's grad, the metrics logged for the micro-batch."""
-    model = trainer.model
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    mode = "train" if train else "eval"
-    trainer._metrics[mode].clear()
-    trainer._total_train_tokens = 0  # the num_tokens metric counts from here
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    if train:
-        loss = trainer.compute_loss(model, inputs)
-        (loss / accumulation).backward()
-    else:
-        with torch.no_grad():
-            loss = trainer.compute_loss(model, inputs)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
-    return loss.detach(), grads, metrics
+loss_grads_metrics = step_compare.loss_grads_metrics  # divided for accumulation, as HF Trainer divides

@@ -8,9 +8,9 @@ import warnings
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import torch  # noqa: E402
 
 from slimrl.testing import tiny_tokenizer  # noqa: E402
+from tests.trainers import step_compare  # noqa: E402
 from tests.trainers.grpo_harness import lora_tiny_model  # noqa: E402
 from tests.trainers.run_settings import CPU_RUN  # noqa: E402
 
@@ -101,44 +101,20 @@ def collated_batch(trainer, pairs: int = PAIRS) -> dict:
 
 
 def loss_grads_metrics(trainer, batch: dict, accumulation: int = 1, train: bool = True):
-    """One compute_loss (+ backward in train mode): the loss value, each trainable parameter's grad, the metrics
-    TRL stored for the call (the latest value of each)."""
-    model = trainer.model
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    trainer._stored_metrics.clear()
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    """One compute_loss (+ backward in train mode), or in eval one prediction_step: the loss value, each trainable
+    parameter's grad, the metrics TRL stored for the call (the latest value of each)."""
+    mode = step_compare.begin_step(trainer, accumulation, train, store="_stored_metrics")
+    inputs = step_compare.cloned(batch)
     if train:
-        loss = trainer.compute_loss(model, inputs)
+        loss = trainer.compute_loss(trainer.model, inputs)
         (loss / accumulation).backward()  # what HF Trainer's training_step does with ORPO's and CPO's loss
-        mode = "train"
     else:
-        loss, _, _ = trainer.prediction_step(model, inputs, prediction_loss_only=True)
-        mode = "eval"
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._stored_metrics[mode].items()}
-    return loss.detach(), grads, metrics
+        loss, _, _ = trainer.prediction_step(trainer.model, inputs, prediction_loss_only=True)
+    grads = step_compare.trainable_grads(trainer.model)
+    return loss.detach(), grads, step_compare.latest_metrics(trainer, mode, "_stored_metrics")
 
 
-def assert_same_step(expected, actual, label: str, train: bool = True, skip_metrics: tuple[str, ...] = ()) -> None:
-    """Loss, the gradient of every trainable parameter and every stored metric agree (fp32 tolerances)."""
-    from tests.tolerances import assert_close
-
-    (loss_e, grads_e, metrics_e), (loss_a, grads_a, metrics_a) = expected, actual
-    assert bool(grads_e) == train, f"{label}: the reference {'lacks' if train else 'has'} gradients"
-    assert_close(loss_a, loss_e, name=f"{label}: loss")
-    assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
-    for name, grad in grads_e.items():
-        # compared relative to the size of the whole tensor: an elementwise rtol on near-zero entries would only
-        # measure summation order
-        scale = grad.abs().max().item()
-        assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (/ {scale:.3g})")
-    assert metrics_a.keys() == metrics_e.keys(), f"{label}: metric names {sorted(metrics_a)} != {sorted(metrics_e)}"
-    assert list(metrics_a) == list(metrics_e), f"{label}: metric order {list(metrics_a)} != {list(metrics_e)}"
-    for name, value in metrics_e.items():
-        if name not in skip_metrics:
-            assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
+assert_same_step = step_compare.assert_same_step
 
 
 # Logged values that measure time, not training.
@@ -146,21 +122,10 @@ NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_se
 
 
 def assert_same_curves(reference: list[dict], ours: list[dict]) -> None:
-    import math
-
-    import pytest
-
     assert len(ours) == len(reference)
     for step, (expected, actual) in enumerate(zip(reference, ours, strict=True)):
         assert set(expected) == set(actual), f"step {step}: logged {sorted(actual)}, TRL {sorted(expected)}"
-        for name, value in expected.items():
-            if name in NOT_COMPARED or not isinstance(value, (int, float)):
-                continue
-            if math.isnan(value):
-                assert math.isnan(actual[name]), f"step {step}: {name} is {actual[name]}, TRL logged NaN"
-                continue
-            # a few optimizer steps carry the first step's fp32 summation-order difference forward through Adam
-            assert actual[name] == pytest.approx(value, rel=1e-4, abs=1e-6), f"step {step}: {name}"
+    step_compare.assert_logged_values_close(reference, ours, NOT_COMPARED)
     losses = [entry["loss"] for entry in reference if "loss" in entry]
     assert len(losses) >= 2 and losses[0] != losses[-1], f"the weights did not move: losses {losses}"
 

@@ -9,7 +9,9 @@ import trl
 
 import slimrl
 from slimrl.testing import tiny_prompt_dataset, tiny_tokenizer
+from tests.trainers import step_compare
 from tests.trainers.grpo_harness import BATCH, COMPLETION_LEN, generated_batch, lora_tiny_model, zero_reward
+from tests.trainers.run_settings import CPU_RUN
 
 # A random tiny model almost never samples EOS; this logit bias makes about half the completions end early, so
 # completion lengths (and length rewards) vary, and truncation masking has something to mask.
@@ -33,11 +35,7 @@ def build_trainer(kind: str, arch: str = "llama", model=None, reward_funcs=zero_
         per_device_train_batch_size=BATCH,
         num_generations=4,
         max_completion_length=COMPLETION_LEN,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
         # TRL's default; off here because recomputing the forward changes no value and would only slow the tests
         gradient_checkpointing=False,
     )
@@ -87,25 +85,10 @@ def rloo_batch(trainer, seed: int = 0, ratio_spread: float = 0.3) -> dict:
 
 
 def loss_grads_metrics(trainer, batch, accumulation: int = 1, train: bool = True):
-    """One compute_loss and the backward HF Trainer runs after it: the loss value, each trainable parameter's grad,
-    the metrics. RLOO's loss is not scaled for gradient accumulation (`loss_is_scaled_for_ga = False`), so, as the
-    Trainer does, the backward is of the loss divided by the accumulation steps."""
-    model = trainer.model
-    model.train(train)
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    mode = "train" if train else "eval"
-    trainer._metrics[mode].clear()
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    if train:
-        loss = trainer.compute_loss(model, inputs)
-        (loss if trainer.loss_is_scaled_for_ga else loss / accumulation).backward()
-    else:
-        with torch.no_grad():
-            loss = trainer.compute_loss(model, inputs)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
-    return loss.detach(), grads, metrics
+    """One compute_loss and the backward HF Trainer runs after it. RLOO's loss is not scaled for gradient
+    accumulation (`loss_is_scaled_for_ga = False`), so, as the Trainer does, the backward divides it."""
+    divide = not trainer.loss_is_scaled_for_ga
+    return step_compare.loss_grads_metrics(trainer, batch, accumulation, train, divide=divide)
 
 
 def generate_and_score(trainer, seed: int = 0) -> tuple[dict, dict]:

@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 import slimrl
 from slimrl.testing import tiny_config, tiny_tokenizer
 from tests.tolerances import assert_close
+from tests.trainers import step_compare
 from tests.trainers.grpo_harness import lora_tiny_model
 
 BATCH = 8
@@ -137,21 +138,14 @@ def one_step(trainer, batch, accumulation: int = 1, num_items_in_batch=None, tra
     """One training_step (the Trainer's: compute_loss, accumulation scaling, backward) or one evaluation
     prediction_step: the loss, each trainable parameter's grad, the metrics logged, and the eval logits (or None)."""
     model = trainer.model
-    model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation
-    mode = "train" if train else "eval"
-    trainer._metrics[mode].clear()
-    trainer._total_train_tokens = 0
-    inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    mode = step_compare.begin_step(trainer, accumulation, train)
+    inputs = step_compare.cloned(batch)
     logits = None
     if train:
         loss = trainer.training_step(model, inputs, num_items_in_batch)
     else:
-        model.eval()
         loss, logits, _ = trainer.prediction_step(model, inputs, prediction_loss_only=logits_wanted(trainer))
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
-    return loss.detach(), grads, metrics, logits
+    return loss.detach(), step_compare.trainable_grads(model), step_compare.latest_metrics(trainer, mode), logits
 
 
 def logits_wanted(trainer) -> bool:
@@ -160,17 +154,9 @@ def logits_wanted(trainer) -> bool:
 
 
 def assert_same_step(expected, actual, label: str) -> None:
-    (loss_e, grads_e, metrics_e, logits_e), (loss_a, grads_a, metrics_a, logits_a) = expected, actual
-    assert_close(loss_a, loss_e, name=f"{label}: loss")
-    assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
-    for name, grad in grads_e.items():
-        # relative to the whole tensor's size: elementwise rtol on near-zero entries would only measure summation order
-        scale = grad.abs().max().item()
-        assert scale > 0, f"{label}: the reference gradient of {name} is zero, so it pins nothing"
-        assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name}")
-    assert list(metrics_a) == list(metrics_e), f"{label}: metric names {list(metrics_a)} != {list(metrics_e)}"
-    for name, value in metrics_e.items():
-        assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
+    """Loss, gradients (none of TRL's zero) and metrics as every parity test compares them, then the eval logits."""
+    step_compare.assert_same_step(expected[:3], actual[:3], label, train=None, nonzero_reference=True)
+    logits_e, logits_a = expected[3], actual[3]
     assert (logits_a is None) == (logits_e is None), f"{label}: logits returned by one side only"
     if logits_e is not None:
         first = lambda logits: logits[0] if isinstance(logits, tuple) else logits  # noqa: E731

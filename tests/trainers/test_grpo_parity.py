@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import build_trainer, generated_batch, loss_grads_metrics
+from tests.trainers.step_compare import assert_same_step
 
 # (case id, config, batch options, accumulation steps)
 CASES = [
@@ -74,21 +74,6 @@ def _trainers(case_id: str, config: dict):
     return pair
 
 
-def assert_same_step(expected, actual, label: str, train: bool = True) -> None:
-    (loss_e, grads_e, metrics_e), (loss_a, grads_a, metrics_a) = expected, actual
-    assert bool(grads_e) == train, f"{label}: the reference {'lacks' if train else 'has'} gradients"
-    assert_close(loss_a, loss_e, name=f"{label}: loss")
-    assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
-    for name, grad in grads_e.items():
-        # a gradient is compared relative to the size of its whole tensor: elementwise rtol on near-zero entries
-        # would only measure summation order
-        scale = grad.abs().max().item()
-        assert_close(
-            grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (scaled by {scale:.3g})"
-        )
-    assert metrics_a.keys() == metrics_e.keys(), f"{label}: metric names {sorted(metrics_a)} != {sorted(metrics_e)}"
-    for name, value in metrics_e.items():
-        assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2, 8])

@@ -15,6 +15,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 from tests.tolerances import assert_close
 from tests.trainers.kto_harness import build_trainer, first_batch, kto_dataset, loss_grads_metrics
+from tests.trainers.step_compare import assert_same_step
 
 # (case id, config, reference kind, accumulation steps); reference kinds are described in kto_harness.build_trainer
 CASES = [
@@ -48,19 +49,6 @@ def expected_step(case_id: str, trainer, batch, accumulation: int = 1, train: bo
     return _expected[key]
 
 
-def assert_same_step(expected, actual, label: str, train: bool = True) -> None:
-    (loss_e, grads_e, metrics_e), (loss_a, grads_a, metrics_a) = expected, actual
-    assert bool(grads_e) == train, f"{label}: the reference {'lacks' if train else 'has'} gradients"
-    assert_close(loss_a, loss_e, name=f"{label}: loss")
-    assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
-    for name, grad in grads_e.items():
-        # a gradient is compared relative to the size of its whole tensor: elementwise rtol on near-zero entries
-        # would only measure summation order
-        scale = grad.abs().max().item()
-        assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} ({scale:.3g})")
-    assert list(metrics_a) == list(metrics_e), f"{label}: metric names {list(metrics_a)} != {list(metrics_e)}"
-    for name, value in metrics_e.items():
-        assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2, 8])

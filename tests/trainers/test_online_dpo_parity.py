@@ -27,7 +27,7 @@ from tests.trainers.online_dpo_harness import (
     scripted_generation,
     step,
 )
-from tests.trainers.test_grpo_parity import assert_same_step
+from tests.trainers.step_compare import assert_same_step
 
 RANKINGS = ("functions", "reward_model", "judge")
 _trainers: dict[tuple[str, str], object] = {}

@@ -25,8 +25,8 @@ from tests.trainers.rloo_harness import (
     perturb_adapter,
     rloo_batch,
 )
+from tests.trainers.step_compare import assert_same_step
 from tests.trainers.test_grpo_compat import tiny_moe
-from tests.trainers.test_grpo_parity import assert_same_step
 from tests.trainers.test_grpo_train_parity import assert_same_curves
 
 # (case id, config, old_logps spread, accumulation steps)
