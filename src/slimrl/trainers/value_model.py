@@ -289,11 +289,9 @@ def score_rollout(model: PolicyAndValue, ref_model: nn.Module | None, batch: dic
         ids, attention = chunk_sequences(batch, chunk)
         logps, _, chunk_values = model(ids, attention, chunk.width, temperature)
         old_logps[chunk.rows, : chunk.width], values[chunk.rows, : chunk.width] = logps, chunk_values
-        if not with_reference:
-            pass
-        elif ref_model is not None:
+        if with_reference and ref_model is not None:
             logps = policy_logprobs(ref_model, ids, attention, chunk.width, temperature)[0]
-        elif hasattr(model.policy, "disable_adapter"):
+        elif with_reference and hasattr(model.policy, "disable_adapter"):
             with model.reference():
                 logps = policy_logprobs(model.policy, ids, attention, chunk.width, temperature)[0]
         ref_logps[chunk.rows, : chunk.width] = logps
