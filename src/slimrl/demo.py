@@ -276,7 +276,7 @@ def _algorithm(settings: DemoSettings, output_dir: Path, device: str) -> tuple[t
     return GRPOTrainer, GRPOConfig, kwargs
 
 
-def problems_per_step(settings: DemoSettings) -> int:
+def problems_per_step(settings: DemoSettings) -> float:
     """Distinct training problems an optimizer step samples (a PPO rollout's spread over its PPO_EPOCHS steps)."""
     if settings.algorithm == "ppo":
         return settings.num_generations * settings.prompts_per_step / PPO_EPOCHS
