@@ -106,3 +106,24 @@ def test_ppo_names_are_added_to_trl_and_removed_again():
     slimrl.unpatch("ppo")
     assert not hasattr(trl, "PPOTrainer") and not hasattr(trl.trainer, "PPOConfig")
     assert not patching.is_patched("ppo")
+
+
+def test_every_fast_trainer_keeps_trls_model_card_tags_and_adds_slimrl():
+    import trl.experimental.cpo
+    import trl.experimental.online_dpo
+    import trl.experimental.orpo
+
+    pairs = [
+        (slimrl.GRPOTrainer, trl.GRPOTrainer),
+        (slimrl.RLOOTrainer, trl.RLOOTrainer),
+        (slimrl.SFTTrainer, trl.SFTTrainer),
+        (slimrl.DPOTrainer, trl.DPOTrainer),
+        (slimrl.KTOTrainer, trl.KTOTrainer),
+        (slimrl.RewardTrainer, trl.RewardTrainer),
+        (slimrl.ORPOTrainer, trl.experimental.orpo.ORPOTrainer),
+        (slimrl.CPOTrainer, trl.experimental.cpo.CPOTrainer),
+        (slimrl.OnlineDPOTrainer, trl.experimental.online_dpo.OnlineDPOTrainer),
+    ]
+    for fast, original in pairs:
+        assert fast._tag_names == [*original._tag_names, "slimrl"], fast.__name__
+    assert slimrl.PPOTrainer._tag_names == ["trl", "ppo", "slimrl"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimrl.trainers.memory import HEADROOM, bytes_per_token, choose_num_chunks, chunk_bytes
+from slimrl.trainers.memory import HEADROOM, ChunkCosts, bytes_per_token, choose_num_chunks, chunk_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,31 +38,32 @@ def test_offloading_and_tiling_lower_the_per_token_cost():
 
 
 def test_everything_fits_in_one_chunk_when_memory_is_plenty():
-    choice = choose_num_chunks(W1, [1280] * 8, free_bytes=60 * GIB)
+    choice = choose_num_chunks(ChunkCosts(W1), [1280] * 8, free_bytes=60 * GIB)
     assert choice.num_chunks == 1 and "1 chunk(s)" in choice.explanation
 
 
 def test_more_chunks_with_less_memory_and_longer_sequences():
     lengths = [2000] * 8
-    roomy = choose_num_chunks(W1, lengths, free_bytes=60 * GIB).num_chunks
-    tight = choose_num_chunks(W1, lengths, free_bytes=GIB // 4).num_chunks
-    longer = choose_num_chunks(W1, [4 * n for n in lengths], free_bytes=60 * GIB).num_chunks
+    roomy = choose_num_chunks(ChunkCosts(W1), lengths, free_bytes=60 * GIB).num_chunks
+    tight = choose_num_chunks(ChunkCosts(W1), lengths, free_bytes=GIB // 4).num_chunks
+    longer = choose_num_chunks(ChunkCosts(W1), [4 * n for n in lengths], free_bytes=60 * GIB).num_chunks
     assert roomy == 1 and 1 < tight <= 8 and roomy < longer <= 8
 
 
 def test_chunks_hold_about_the_target_tokens_even_when_memory_is_plenty():
-    assert choose_num_chunks(W1, [33024] * 8, free_bytes=70 * GIB).num_chunks == 8
-    assert choose_num_chunks(W1, [4352] * 8, free_bytes=70 * GIB).num_chunks == 2
+    assert choose_num_chunks(ChunkCosts(W1), [33024] * 8, free_bytes=70 * GIB).num_chunks == 8
+    assert choose_num_chunks(ChunkCosts(W1), [4352] * 8, free_bytes=70 * GIB).num_chunks == 2
 
 
 def test_never_more_chunks_than_sequences_and_warns_when_one_does_not_fit():
-    choice = choose_num_chunks(W1, [10**7] * 3, free_bytes=1 * GIB)
+    choice = choose_num_chunks(ChunkCosts(W1), [10**7] * 3, free_bytes=1 * GIB)
     assert choice.num_chunks == 3 and "may not fit" in choice.explanation
 
 
 def test_the_largest_chunk_fits_the_budget_when_it_can():
     lengths = [100, 100, 100, 100, 5000, 5000]
-    choice = choose_num_chunks(W1, lengths, free_bytes=int(chunk_bytes(W1, 6000) / HEADROOM))  # 6000 tokens fit
+    fits_6000_tokens = int(chunk_bytes(W1, 6000) / HEADROOM)
+    choice = choose_num_chunks(ChunkCosts(W1), lengths, free_bytes=fits_6000_tokens)
     per_chunk = -(-len(lengths) // choice.num_chunks)
     largest = sum(sorted(lengths, reverse=True)[:per_chunk])
     # chunks take near-equal numbers of length-sorted sequences: 2 to 5 chunks all pair the two 5000-token ones
@@ -71,7 +72,7 @@ def test_the_largest_chunk_fits_the_budget_when_it_can():
 
 
 def test_empty_batch():
-    assert choose_num_chunks(W1, [], free_bytes=GIB).num_chunks == 1
+    assert choose_num_chunks(ChunkCosts(W1), [], free_bytes=GIB).num_chunks == 1
 
 
 def test_a_tiled_mlp_and_the_gradients_are_paid_once_per_chunk():
@@ -123,5 +124,5 @@ def test_one_chunk_prediction_matches_w1s_measured_peak(json_name, key):
     # and with the free memory of that run (an 80 GB H100 less the weights), auto chooses the chunks it chose then
     free = 79.2 * GIB - report["weights_GiB"] * GIB
     lengths = [256 + length] * 8
-    choice = choose_num_chunks(W1, lengths, free, gradient_bytes=W1_LORA_GRADIENT_BYTES)
+    choice = choose_num_chunks(ChunkCosts(W1, gradient_bytes=W1_LORA_GRADIENT_BYTES), lengths, free)
     assert choice.num_chunks == result["num_chunks"]

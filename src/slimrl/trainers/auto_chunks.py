@@ -14,23 +14,22 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     from slimrl.models.checkpointing import offload_state
-    from slimrl.trainers.memory import choose_num_chunks
+    from slimrl.trainers.memory import ChunkCosts, choose_num_chunks
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     state = offload_state(model)  # the model's own offloading settings, when it has them
     free_bytes, _ = torch.cuda.mem_get_info(device)
     # gradients the step's first backward will allocate (those already there are outside the free memory)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
-    choice = choose_num_chunks(
+    costs = ChunkCosts(
         model.config,
-        lengths,
-        free_bytes=free_bytes,
         dtype=model.dtype,
         offloaded=state is not None,
         mlp_tile_tokens=state.mlp_tile_tokens if state is not None else 0,
         gradient_bytes=gradient_bytes,
         min_offload_bytes=state.min_offload_bytes if state is not None else 0,
     )
+    choice = choose_num_chunks(costs, lengths, free_bytes)
     if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
         logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)
         trainer._last_auto_chunks = choice.num_chunks

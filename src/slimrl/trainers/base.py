@@ -26,6 +26,12 @@ SKIPPED_METRIC = "nonfinite_skipped"  # 1 for an optimizer step dropped by on_no
 class SlimTrainerMixin:
     """Reliability shared by slimrl's trainers; the algorithm's own overrides live in its subclass."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        tags = list(getattr(cls, "_tag_names", None) or [])  # the TRL trainer's model-card tags, inherited
+        if "slimrl" not in tags:
+            cls._tag_names = [*tags, "slimrl"]
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         with training_attention():
             loss = super().training_step(model, inputs, num_items_in_batch)

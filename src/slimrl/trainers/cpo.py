@@ -72,7 +72,6 @@ def cpo_pair_terms(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *, 
 class CPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, PairedChunkedMixin, _trl_cpo.CPOTrainer):
     """TRL's CPOTrainer whose step runs in chunks of pairs. Same constructor, same results."""
 
-    _tag_names = [*_trl_cpo.CPOTrainer._tag_names, "slimrl"]
     _trl_trainer = _trl_cpo.CPOTrainer
     _config_class = CPOConfig
     _trl_loss_methods = (*PairedChunkedMixin._trl_loss_methods, "cpo_loss")

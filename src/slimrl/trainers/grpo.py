@@ -63,7 +63,6 @@ class _MicroBatch:
 class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
-    _tag_names = [*trl.GRPOTrainer._tag_names, "slimrl"]
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *positional, **kwargs):
         # contract: TRL's arguments, positions and defaults; args=None gets slimrl's GRPOConfig named as TRL names it

@@ -71,49 +71,53 @@ def bytes_per_token(config, dtype: torch.dtype, offloaded: bool = True, tiled_ml
     return checkpoints + attention + mlp + lm_head
 
 
-def chunk_bytes(
-    config,
-    tokens: int,
-    dtype: torch.dtype = torch.bfloat16,
-    offloaded: bool = True,
-    mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS,
-    gradient_bytes: int = 0,
-    min_offload_bytes: int = MIN_OFFLOAD_BYTES,
-) -> int:
-    """Predicted peak GPU bytes above the resident weights while a chunk of `tokens` tokens runs forward and backward:
-    per-token costs, one MLP tile's working set (`mlp_tile_tokens` 0: the MLP is not tiled) and `gradient_bytes`
-    (the trainable parameters' gradients not allocated yet). Tiling needs offloaded checkpointing."""
-    d, _, _, _, b = _shape(config, dtype)
-    parked = offloaded and tokens * d * b >= min_offload_bytes  # smaller checkpoints stay on the GPU
-    tiled = offloaded and mlp_tile_tokens > 0
-    tile = mlp_bytes_per_token(config, dtype) * min(tokens, mlp_tile_tokens) if tiled else 0
-    return tokens * bytes_per_token(config, dtype, offloaded=parked, tiled_mlp=tiled) + tile + gradient_bytes
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What a chunk's peak depends on besides its length: the model, the activation dtype, offloaded checkpointing
+    (`min_offload_bytes`: smaller checkpoints stay on the GPU), the MLP tile (`mlp_tile_tokens` 0: not tiled; tiling
+    needs offloading) and `gradient_bytes` (the trainable parameters' gradients not allocated yet)."""
+
+    config: object
+    dtype: torch.dtype = torch.bfloat16
+    offloaded: bool = True
+    mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS
+    gradient_bytes: int = 0
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES
+
+    @property
+    def tile_tokens(self) -> int:
+        return self.mlp_tile_tokens if self.offloaded else 0
+
+    @property
+    def per_token(self) -> int:
+        return bytes_per_token(self.config, self.dtype, self.offloaded, tiled_mlp=self.tile_tokens > 0)
+
+    def peak(self, tokens: int) -> int:
+        """Predicted peak GPU bytes above the resident weights while a chunk of `tokens` tokens runs forward and
+        backward: per-token costs, one MLP tile's working set and the gradients."""
+        d, _, _, _, b = _shape(self.config, self.dtype)
+        parked = self.offloaded and tokens * d * b >= self.min_offload_bytes
+        tiled = self.tile_tokens > 0
+        tile = mlp_bytes_per_token(self.config, self.dtype) * min(tokens, self.tile_tokens) if tiled else 0
+        per_token = bytes_per_token(self.config, self.dtype, offloaded=parked, tiled_mlp=tiled)
+        return tokens * per_token + tile + self.gradient_bytes
 
 
-def choose_num_chunks(
-    config,
-    sequence_lengths: list[int],
-    free_bytes: int,
-    dtype: torch.dtype = torch.bfloat16,
-    offloaded: bool = True,
-    mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS,
-    gradient_bytes: int = 0,
-    min_offload_bytes: int = MIN_OFFLOAD_BYTES,
-) -> ChunkChoice:
+def chunk_bytes(config, tokens: int, **costs) -> int:
+    """`ChunkCosts(config, **costs).peak(tokens)`."""
+    return ChunkCosts(config, **costs).peak(tokens)
+
+
+def choose_num_chunks(costs: ChunkCosts, sequence_lengths: list[int], free_bytes: int) -> ChunkChoice:
     """The fewest chunks of about TARGET_CHUNK_TOKENS tokens whose largest is predicted to fit the budget; one
     sequence per chunk is the floor."""
-    tile = mlp_tile_tokens if offloaded else 0
-    per_token = bytes_per_token(config, dtype, offloaded, tiled_mlp=tile > 0)
-
-    def peak(tokens: int) -> int:
-        return chunk_bytes(config, tokens, dtype, offloaded, tile, gradient_bytes, min_offload_bytes)
-
+    per_token, peak = costs.per_token, costs.peak
     budget = int(free_bytes * HEADROOM)
     total = sum(sequence_lengths)
     count = len(sequence_lengths)
     if count == 0:
         return ChunkChoice(1, per_token, budget, "empty batch", peak(0))
-    fixed = gradient_bytes + mlp_bytes_per_token(config, dtype) * tile  # what any chunk holds: one whole MLP tile
+    fixed = costs.gradient_bytes + mlp_bytes_per_token(costs.config, costs.dtype) * costs.tile_tokens  # one whole tile
     by_memory = math.ceil(total * per_token / max(budget - fixed, 1))
     chunks = min(count, max(1, by_memory, total // TARGET_CHUNK_TOKENS))
     # chunks take near-equal numbers of sequences: make sure the longest such group fits, else split more

@@ -44,7 +44,6 @@ class OnlineDPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin
     """TRL's OnlineDPOTrainer whose rollouts may come from slimrl's engine and whose step runs in chunks of pairs.
     Same constructor, same results."""
 
-    _tag_names = [*_trl_online_dpo.OnlineDPOTrainer._tag_names, "slimrl"]
     single_turn_returns_logprobs = False  # the engine's log-probs are never read: TRL rescores the completions
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,

@@ -58,7 +58,6 @@ def odds_ratio_terms(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, b
 class ORPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, PairedChunkedMixin, _trl_orpo.ORPOTrainer):
     """TRL's ORPOTrainer whose step runs in chunks of pairs. Same constructor, same results."""
 
-    _tag_names = [*_trl_orpo.ORPOTrainer._tag_names, "slimrl"]
     _trl_trainer = _trl_orpo.ORPOTrainer
     _config_class = ORPOConfig
     _trl_loss_methods = (*PairedChunkedMixin._trl_loss_methods, "odds_ratio_loss")

@@ -12,13 +12,13 @@ num_mini_batches then divided; here a mini-batch is always exactly one optimizer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
 from slimrl.trainers.ppo_math import KL_ESTIMATORS
 from slimrl.trainers.rollout_fields import RolloutFields
-from slimrl.trainers.slim_fields import SlimFields, bf16_supported
+from slimrl.trainers.slim_fields import SlimFields, bf16_supported, setting
 
 PPO_BACKENDS = ("auto", "engine", "transformers")  # RolloutFields' backends without vLLM
 
@@ -28,77 +28,77 @@ class PPOConfig(RolloutFields, SlimFields, TrainingArguments):
     """Configuration of slimrl's PPOTrainer. Fields after TrainingArguments' own; every one has its help text."""
 
     # -- TrainingArguments defaults changed for PPO -------------------------------------------------------------
-    logging_steps: float = field(default=10, metadata={"help": "Log every this many optimizer steps (TRL's default)."})
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. None: on where the GPU supports bf16 (unless fp16), else off."},
+    logging_steps: float = setting(10, "Log every this many optimizer steps (TRL's default).")
+    bf16: bool | None = setting(
+        None,
+        "bf16 mixed precision. None: on where the GPU supports bf16 (unless fp16), else off."
     )
-    remove_unused_columns: bool = field(
-        default=False,
-        metadata={"help": "Keep the dataset's columns: reward functions receive them as keyword arguments."},
+    remove_unused_columns: bool = setting(
+        False,
+        "Keep the dataset's columns: reward functions receive them as keyword arguments."
     )
 
     # -- rollouts ---------------------------------------------------------------------------------------------
-    response_length: int = field(
-        default=53,
-        metadata={"help": "Most tokens generated per completion (GRPO's max_completion_length). A completion ends "
-                  "earlier at an EOS token."},  # fmt: skip
+    response_length: int = setting(
+        53,
+        "Most tokens generated per completion (GRPO's max_completion_length). A completion ends earlier at an EOS "
+        "token."
     )
-    temperature: float = field(
-        default=0.7,
-        metadata={"help": "Sampling temperature of the rollouts. The policy's, old and reference log-probs are all "
-                  "taken at this temperature (logits / temperature), as in TRL 0.x."},  # fmt: skip
+    temperature: float = setting(
+        0.7,
+        "Sampling temperature of the rollouts. The policy's, old and reference log-probs are all taken at this "
+        "temperature (logits / temperature), as in TRL 0.x."
     )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of the rollouts (1.0: off)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0: off)."})
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from the score of a completion that reached response_length without an EOS "
-                  "token, so the policy learns to finish. None: no penalty."},  # fmt: skip
+    top_p: float = setting(1.0, "Nucleus sampling of the rollouts (1.0: off).")
+    top_k: int = setting(0, "Top-k sampling of the rollouts (0: off).")
+    missing_eos_penalty: float | None = setting(
+        None,
+        "Subtracted from the score of a completion that reached response_length without an EOS token, so the "
+        "policy learns to finish. None: no penalty."
     )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "Weight of each reward function in the score (their weighted sum). None: all 1.0."},
+    reward_weights: list[float] | None = setting(
+        None,
+        "Weight of each reward function in the score (their weighted sum). None: all 1.0."
     )
-    total_episodes: int | None = field(
-        default=None,
-        metadata={"help": "TRL 0.x's training length: completions to generate in all. When set it decides max_steps "
-                  "(whole rollouts, each spanning steps_per_rollout optimizer steps)."},  # fmt: skip
+    total_episodes: int | None = setting(
+        None,
+        "TRL 0.x's training length: completions to generate in all. When set it decides max_steps (whole "
+        "rollouts, each spanning steps_per_rollout optimizer steps)."
     )
 
     # -- PPO ----------------------------------------------------------------------------------------------------
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout, in a fresh random order."})
-    num_mini_batches: int = field(
-        default=1,
-        metadata={"help": "Mini-batches (optimizer steps) per pass over a rollout; see `rollout_batch_size`."},
+    num_ppo_epochs: int = setting(4, "Passes over each rollout, in a fresh random order.")
+    num_mini_batches: int = setting(
+        1,
+        "Mini-batches (optimizer steps) per pass over a rollout; see `rollout_batch_size`."
     )
-    kl_coef: float = field(
-        default=0.05,
-        metadata={"help": "Weight of the per-token KL penalty against the reference (the policy with its adapter "
-                  "disabled, or ref_model) in the reward. 0 turns it off."},  # fmt: skip
+    kl_coef: float = setting(
+        0.05,
+        "Weight of the per-token KL penalty against the reference (the policy with its adapter disabled, or "
+        "ref_model) in the reward. 0 turns it off."
     )
-    kl_estimator: str = field(
-        default="k1",
-        metadata={"help": "Per-token KL estimate in the penalty: 'k1' (log p - log q, unbiased) or 'k3' (lower "
-                  "variance, never negative); see http://joschu.net/blog/kl-approx.html."},  # fmt: skip
+    kl_estimator: str = setting(
+        "k1",
+        "Per-token KL estimate in the penalty: 'k1' (log p - log q, unbiased) or 'k3' (lower variance, never "
+        "negative); see http://joschu.net/blog/kl-approx.html."
     )
-    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range: r in [1 - eps, 1 + eps]."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the loss."})
-    cliprange_value: float = field(
-        default=0.2,
-        metadata={"help": "Value clip range: a value may move at most this far from its rollout-time value."},
+    cliprange: float = setting(0.2, "Policy ratio clip range: r in [1 - eps, 1 + eps].")
+    vf_coef: float = setting(0.1, "Weight of the value loss in the loss.")
+    cliprange_value: float = setting(
+        0.2,
+        "Value clip range: a value may move at most this far from its rollout-time value."
     )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
-    lam: float = field(default=0.95, metadata={"help": "Lambda of GAE (1: Monte-Carlo returns, 0: one-step TD)."})
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={"help": "Scale the per-token rewards of each rollout to unit variance (mean kept) before GAE."},
+    gamma: float = setting(1.0, "Discount factor of GAE.")
+    lam: float = setting(0.95, "Lambda of GAE (1: Monte-Carlo returns, 0: one-step TD).")
+    whiten_rewards: bool = setting(
+        False,
+        "Scale the per-token rewards of each rollout to unit variance (mean kept) before GAE."
     )
-    target_kl: float | None = field(
-        default=None,
-        metadata={"help": "Early stop: when a mini-batch's approximate KL to the rollout's policy (policy/approxkl, "
-                  "measured in its forward) exceeds this, that step's update is dropped and the rollout's later steps "
-                  "are skipped (no forward, no update; they still count as steps). None: no early stop."},  # fmt: skip
+    target_kl: float | None = setting(
+        None,
+        "Early stop: when a mini-batch's approximate KL to the rollout's policy (policy/approxkl, measured in its "
+        "forward) exceeds this, that step's update is dropped and the rollout's later steps are skipped (no "
+        "forward, no update; they still count as steps). None: no early stop."
     )
 
     def __post_init__(self):

@@ -45,7 +45,6 @@ class RewardConfig(SlimFields, trl.RewardConfig):
 class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
     """TRL's RewardTrainer whose training step runs in chunks of pairs. Same constructor, same results."""
 
-    _tag_names = [*trl.RewardTrainer._tag_names, "slimrl"]
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),

@@ -56,7 +56,6 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
     """TRL's RLOOTrainer whose rollouts may come from slimrl's engine and whose training step runs in chunks of
     sequences. Same constructor, same results."""
 
-    _tag_names = [*trl.RLOOTrainer._tag_names, "slimrl"]
     single_turn_returns_logprobs = False  # TRL's RLOO `_generate_single_turn` returns completion ids only
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,

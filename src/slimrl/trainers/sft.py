@@ -82,7 +82,6 @@ class _Plan:
 class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
     """TRL's SFTTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
-    _tag_names = [*trl.SFTTrainer._tag_names, "slimrl"]
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,

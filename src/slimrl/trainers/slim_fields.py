@@ -14,6 +14,11 @@ import torch
 from slimrl.trainers.finite import check_on_nonfinite
 
 
+def setting(default, help_text: str):
+    """A config field with its help text (shown by HfArgumentParser's --help)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class SlimFields:
     """slimrl's settings shared by every trainer (mixed in before TRL's config class)."""
