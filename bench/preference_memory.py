@@ -3,8 +3,9 @@
 W4: DPO, loss sigmoid, beta 0.1, the reference by disabling the adapter; 8 pairs, prompts of 256 tokens, chosen and
 rejected of L tokens each (L = 1024, 4096, 16384 by default). W5: SFT (nll), batch 8 of L tokens (4096, 16384,
 65536). Each side gets a fresh W1 model (bench/common.py: Qwen2.5-1.5B's shape, random weights, LoRA r=64 on every
-linear layer, bf16, gradient checkpointing) and runs HF Trainer's `training_step` (forward, backward, slimrl's chunks
-and guards) on the first batch of its own data collator, twice; the second is timed. Reported per side and L: peak
+linear layer, bf16, gradient checkpointing), prepared by the trainer's accelerator as `train()` prepares it (bf16
+autocast around the forward), and runs HF Trainer's `training_step` (forward, backward, slimrl's chunks and guards)
+on the first batch of its own data collator, twice; the second is timed. Reported per side and L: peak
 GPU memory (torch.cuda.max_memory_allocated), seconds, loss and LoRA grad norm, and for slimrl the chunk count.
 A side that runs out of memory is recorded as "OOM"; TRL with `use_liger_kernel=True` needs the liger-kernel
 package (recorded as missing where it is not installed).
@@ -87,6 +88,8 @@ def build_trainer(algorithm: str, side: str, model, length: int, cuda: bool, mlp
     # as HF Trainer's training loop does when args.gradient_checkpointing is set
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.model.enable_input_require_grads()
+    # and as train() does, the accelerator prepares the model: with bf16, its forward runs under autocast
+    trainer.model = trainer.model_wrapped = trainer.accelerator.prepare(trainer.model)
     return trainer
 
 

@@ -83,3 +83,35 @@ def add_lora(model, *, r: int, target_modules, random_state: int, **lora_options
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(random_state)
         return get_peft_model(model, config)
+
+
+def skip_input_casts_under_autocast(model) -> int:
+    """Stop peft's LoRA layers from copying their input to the adapter's dtype when autocast will cast it back.
+
+    With fp32 adapters on a bf16 base (peft's default), a LoRA layer first copies its input to fp32 and autocast then
+    copies that back to bf16 for the adapter's matmul, which saves the copy for backward: one more activation per
+    projection, alive through the layer's backward (per chunk, 0.8 GiB of W4's peak). When autocast is on and its
+    dtype is the input's, the round trip returns the same values, so the layer can use its input as it is and the
+    matmul saves the tensor the base layer already saved. peft's own 4-bit layers skip the cast under autocast the
+    same way. Only plain LoRA without dropout is changed (dropout or a variant such as DoRA would compute on the
+    copy); elsewhere, and whenever autocast is off, peft's cast runs. Returns the number of layers changed."""
+    from peft.tuners.lora import LoraLayer
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or "_cast_input_dtype" in vars(module):
+            continue
+        plain = not getattr(module, "lora_variant", {}) and not any(getattr(module, "use_dora", {}).values())
+        if plain and all(isinstance(dropout, torch.nn.Identity) for dropout in module.lora_dropout.values()):
+            module._cast_input_dtype = _cast_unless_autocast.__get__(module)  # an override on this instance only
+            changed += 1
+    return changed
+
+
+def _cast_unless_autocast(layer, x, dtype: torch.dtype):
+    # contract: peft's BaseTunerLayer._cast_input_dtype(x, dtype): x, or x in `dtype`
+    if x is not None and x.is_floating_point():
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == x.dtype:
+            return x
+    return type(layer)._cast_input_dtype(layer, x, dtype)

@@ -25,7 +25,11 @@ class ChunkedTrainerMixin:
     """Chunk planning and the memory savers, for any HF Trainer subclass whose args carry slimrl's fields."""
 
     def _apply_memory_savers(self) -> None:
-        """On CUDA: offloaded checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
+        """LoRA inputs not copied where autocast casts them back (exact; models/lora.py), and on CUDA offloaded
+        checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
+        from slimrl.models.lora import skip_input_casts_under_autocast
+
+        skip_input_casts_under_autocast(self.accelerator.unwrap_model(self.model))
         if self.args.use_cpu or not torch.cuda.is_available():
             return
         offload = self.args.offload_checkpoints

@@ -125,7 +125,10 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
 
     def _apply_memory_savers(self) -> None:
         # contract: ChunkedTrainerMixin's, applied to the policy and a separate value model (not to their wrapper)
+        from slimrl.models.lora import skip_input_casts_under_autocast
+
         args, wrapper = self.args, self.accelerator.unwrap_model(self.model)
+        skip_input_casts_under_autocast(wrapper)
         offload = args.offload_checkpoints or (args.offload_checkpoints is None and args.gradient_checkpointing)
         if offload and not args.use_cpu and torch.cuda.is_available():
             from slimrl.models.checkpointing import enable_offloaded_checkpointing
