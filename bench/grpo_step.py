@@ -282,12 +282,13 @@ def trainer_classes(owner: str, algorithm: str) -> tuple[type, type]:
     return getattr(module, f"{algorithm.upper()}Trainer"), getattr(module, f"{algorithm.upper()}Config")
 
 
-def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, output_dir: str, cuda: bool):
-    """Side `kind`'s trainer (SIDES: whose, which algorithm) on `model`; PPO's value function is a head on it."""
+def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, output_dir: str, cuda: bool, **extra):
+    """Side `kind`'s trainer (SIDES: whose, which algorithm) on `model`; PPO's value function is a head on it.
+    `extra`: more config settings (bench/scaling.py's rollout-device sides)."""
     owner, algorithm = SIDES[kind]
     settings = trainer_settings(algorithm, args, steps, output_dir, cuda)
     if owner == "slimrl":
-        settings.update(num_chunks="auto", generation_backend=args.slimrl_backend)
+        settings.update(num_chunks="auto", generation_backend=args.slimrl_backend, **extra)
     trainer_class, config_class = trainer_classes(owner, algorithm)
     return trainer_class(model=model, reward_funcs=data["rewards"], args=config_class(**settings),
                          train_dataset=data["dataset"], processing_class=tokenizer)  # fmt: skip

@@ -65,7 +65,6 @@ class _PairBatch:
 class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
     """TRL's DPOTrainer whose training step runs in chunks of preference pairs. Same constructor, same results."""
 
-
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None):  # fmt: skip

@@ -22,6 +22,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def sharded_training(accelerator) -> bool:
+    """True under FSDP or DeepSpeed ZeRO-3, where no rank holds the whole weights between gathers."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        return getattr(plugin, "zero_stage", 0) == 3
+    return False
+
+
 class EngineRolloutMixin:
     """The backend choice and the engine's rollouts, for a TRL trainer whose args carry RolloutFields."""
 
@@ -32,8 +44,24 @@ class EngineRolloutMixin:
         from slimrl.trainers.generation import choose_backend
 
         self._rollout_engine = None
+        device = getattr(self.args, "generation_device", None)
+        if getattr(self.args, "async_generation", False) and not hasattr(self, "_check_async_generation"):
+            raise ValueError(f"async_generation=True is implemented for GRPO, not for {type(self).__name__}; turn "
+                             "it off (generation_device alone works here).")  # fmt: skip
+        if device is not None:  # the engine in its own process: checked now, started at the first rollout
+            from slimrl.distributed.remote_engine import check_generation_device
+
+            check_generation_device(device, self.accelerator.unwrap_model(self.model))
+        requested = "engine" if device is not None else self.args.generation_backend
+        if sharded_training(self.accelerator) and device is None:
+            # the in-process engine reads the live weights as whole tensors; FSDP2 and ZeRO-3 hold them in shards
+            if requested == "engine":
+                raise ValueError("generation_backend='engine' does not run on FSDP- or ZeRO-3-sharded weights yet. "
+                                 "Use generation_backend='transformers' (TRL's path, gathering as TRL does), or "
+                                 "data parallel (DDP) with the engine.")  # fmt: skip
+            requested = "transformers"
         self._generation_backend, reason = choose_backend(
-            self.args.generation_backend,
+            requested,
             self.accelerator.unwrap_model(self.model),
             use_vllm=self.use_vllm,
             # TRL's online DPO has no continuous-batching switch: there it is off
@@ -56,29 +84,73 @@ class EngineRolloutMixin:
 
     def _engine_rollout(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list | None]:
         """One completion per token-id prompt from slimrl's engine, and its log-probs when the trainer uses them."""
-        from slimrl.trainers.generation import engine_sampling_params, inference_mode
+        from slimrl.trainers.generation import inference_mode
 
         model = self.accelerator.unwrap_model(self.model)
-        if self._rollout_engine is None:
-            from slimrl.rollout.engine import RolloutEngine
+        engine = self._engine()
+        if getattr(self.args, "generation_device", None) is not None:
+            output = self._remote_rollout(prompt_ids)
+        else:
+            with inference_mode(model):
+                output = engine.generate(prompt_ids, self._engine_params(), max_new_tokens=self.max_completion_length)
+            engine.release()  # the KV cache goes back to training
+        return output.completion_ids, output.logprobs
 
-            options = getattr(model, "slimrl_options", None)
-            self._rollout_engine = RolloutEngine(
-                model,
-                max_seq_len=getattr(options, "max_seq_length", None),
-                gpu_memory_utilization=getattr(options, "gpu_memory_utilization", None)
-                if getattr(options, "fast_inference", False)
-                else None,
-                tokenizer=self._tokenizer,
-                deterministic=self.args.deterministic_rollouts,
-            )
-        params = engine_sampling_params(self, self._rollout_engine.device)
+    def _engine(self):
+        """The rollout engine, built at the first rollout: in this process over the training weights, or in its own
+        process on `generation_device`."""
+        if self._rollout_engine is not None:
+            return self._rollout_engine
+        model = self.accelerator.unwrap_model(self.model)
+        options = getattr(model, "slimrl_options", None)
+        max_seq_len = getattr(options, "max_seq_length", None)
+        if getattr(self.args, "generation_device", None) is not None:
+            from slimrl.distributed.remote_engine import RemoteRolloutEngine
+
+            self._rollout_engine = RemoteRolloutEngine(model, self.args.generation_device, max_seq_len,
+                                                       deterministic=self.args.deterministic_rollouts)  # fmt: skip
+            return self._rollout_engine
+        from slimrl.rollout.engine import RolloutEngine
+
+        memory = getattr(options, "gpu_memory_utilization", None) if getattr(options, "fast_inference", False) else None
+        self._rollout_engine = RolloutEngine(model, max_seq_len=max_seq_len, gpu_memory_utilization=memory,
+                                             tokenizer=self._tokenizer,
+                                             deterministic=self.args.deterministic_rollouts)  # fmt: skip
+        return self._rollout_engine
+
+    def _engine_params(self):
+        from slimrl.trainers.generation import engine_sampling_params
+
+        params = engine_sampling_params(self, self._engine().device)
         if not self.single_turn_returns_logprobs:  # nothing reads them: the engine need not compute them
             params = dataclasses.replace(params, logprobs=False)
-        with inference_mode(model):
-            output = self._rollout_engine.generate(prompt_ids, params, max_new_tokens=self.max_completion_length)
-        self._rollout_engine.release()  # the KV cache goes back to training
-        return output.completion_ids, output.logprobs
+        return params
+
+    def _remote_rollout(self, prompt_ids: list[list[int]]):
+        """The rollout device's completions of these prompts: the one generated ahead (async_generation) when it is
+        for these prompts, else generated now with the adapter of the latest optimizer step."""
+        engine = self._engine()
+        ahead = getattr(self, "_rollout_ahead", None)
+        if ahead is not None and ahead[0] == [list(map(int, p)) for p in prompt_ids]:
+            self._rollout_ahead = None
+            output = ahead[1]
+        else:
+            if engine.pending is not None:  # generated ahead for other prompts (an evaluation came between)
+                self._rollout_ahead = (engine.pending, engine.collect())
+            self._log_sync_bytes(engine.sync(self.state.global_step))
+            output = engine.generate(prompt_ids, self._engine_params(), max_new_tokens=self.max_completion_length)
+        # optimizer steps between the adapter that sampled this rollout and the one that trains on it
+        self._log_rollout_metric("rollout/staleness", self.state.global_step - output.stats["adapter_version"])
+        return output
+
+    def _log_sync_bytes(self, sent: int) -> None:
+        if sent:
+            self._log_rollout_metric("rollout/sync_bytes", sent)
+
+    def _log_rollout_metric(self, name: str, value: float) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None and self.model.training:
+            metrics["train"][name].append(float(value))
 
     @property
     def generation_backend(self) -> str:

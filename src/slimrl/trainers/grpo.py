@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from slimrl.trainers.async_rollouts import AsyncRolloutMixin
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, run_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
@@ -60,9 +61,9 @@ class _MicroBatch:
     entropy_coef: float  # the entropy bonus's coefficient for this micro-batch (0 when the bonus is off)
 
 
-class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, trl.GRPOTrainer):
+class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, AsyncRolloutMixin, EngineRolloutMixin,
+                  trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
-
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *positional, **kwargs):
         # contract: TRL's arguments, positions and defaults; args=None gets slimrl's GRPOConfig named as TRL names it
@@ -74,6 +75,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()
         self._choose_generation_backend()
+        self._check_async_generation()
         self._phase_start: float | None = None
         self._phase_tokens = 0
 

@@ -74,7 +74,6 @@ class _MicroBatch:
 class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     """TRL's KTOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
-
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None):  # fmt: skip

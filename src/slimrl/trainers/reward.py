@@ -45,7 +45,6 @@ class RewardConfig(SlimFields, trl.RewardConfig):
 class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
     """TRL's RewardTrainer whose training step runs in chunks of pairs. Same constructor, same results."""
 
-
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None, quantization_config=None,

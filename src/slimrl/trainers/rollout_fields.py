@@ -34,6 +34,23 @@ class RolloutFields:
         },
     )
 
+    generation_device: str | None = field(
+        default=None,
+        metadata={
+            "help": "Run slimrl's rollout engine in a process of its own on this device ('cuda:1', or 'cpu'), with "
+            "its own copy of the model; after each optimizer step only the trainable tensors (the LoRA adapter) are "
+            "sent to it. None: the engine runs in the training process, on the training weights."
+        },
+    )
+    async_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "With generation_device: generate the next step's rollouts while this step trains, from the "
+            "policy one optimizer step behind; TRL's importance-sampling correction (vllm_importance_sampling_*) is "
+            "applied to those log-probs. GRPO only."
+        },
+    )
+
     def __post_init__(self):
         check_rollout_fields(self)
         super().__post_init__()
@@ -47,6 +64,14 @@ def check_rollout_fields(args) -> None:
         raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}.")
     if args.generation_backend == "vllm":
         args.use_vllm = True
+    device = getattr(args, "generation_device", None)
+    if device is not None and (args.generation_backend not in ("auto", "engine") or getattr(args, "use_vllm", False)):
+        raise ValueError(f"generation_device={device!r} runs slimrl's engine in its own process; it cannot be combined "
+                         f"with generation_backend={args.generation_backend!r}. Use generation_backend='engine' "
+                         "(or 'auto'), or leave generation_device unset.")  # fmt: skip
+    if getattr(args, "async_generation", False) and device is None:
+        raise ValueError("async_generation=True overlaps generation with training on a separate rollout device; set "
+                         "generation_device (e.g. 'cuda:1'), or leave async_generation off.")  # fmt: skip
 
 
 def with_rollout_fields(args, model, config_class, suffix: str):

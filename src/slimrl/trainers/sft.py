@@ -82,7 +82,6 @@ class _Plan:
 class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
     """TRL's SFTTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
-
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,

@@ -1,0 +1,132 @@
+"""The trainer's end of the rollout device: `RemoteRolloutEngine` starts the engine process (rollout_server.py) on
+`generation_device`, sends it the model once, and then, whenever the trainer's optimizer has stepped since the last
+rollout, only the trainable tensors (the LoRA adapter): megabytes, not the merged model.
+
+It has the local engine's `generate(prompts, params, max_new_tokens)` and `release()`, plus `submit` / `collect`
+for one request in flight, which is how `async_generation` overlaps the next step's rollout with this step's
+training (trainers/async_rollouts.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from slimrl.distributed.rollout_server import recv_adapter_into, send_adapter, serve
+from slimrl.distributed.transport import Channel, trainer_store
+
+logger = logging.getLogger(__name__)
+
+
+def check_generation_device(device: str, model) -> torch.device:
+    """The rollout device as a torch.device, or an error naming the fix."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        message = f"generation_device={device!r} is not a device ({error}); use e.g. 'cuda:1' or 'cpu'."
+        raise ValueError(message) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        index = parsed.index if parsed.index is not None else 0
+        if index >= count:
+            raise ValueError(f"generation_device={device!r} does not exist: this machine has {count} CUDA "
+                             "device(s). Name one of them, or leave generation_device unset to generate on the "
+                             "training GPU.")  # fmt: skip
+    elif parsed.type != "cpu":
+        raise ValueError(f"generation_device={device!r}: the rollout process runs on 'cuda:N' or 'cpu'.")
+    from slimrl.models import quantization
+
+    if quantization.is_quantized_model(model):
+        raise ValueError("generation_device with a 4-bit or 8-bit base is not supported yet: the engine process "
+                         "rebuilds the model from its bf16/fp32 tensors. Leave generation_device unset (the engine "
+                         "then runs beside training on the same GPU), or train a bf16 base.")  # fmt: skip
+    return parsed
+
+
+class RemoteRolloutEngine:
+    """slimrl's rollout engine in its own process on `device`, fed the trainer's adapter after each optimizer step."""
+
+    def __init__(self, model, device: str, max_seq_len: int | None = None, **engine_options):
+        import torch.multiprocessing as mp
+
+        self.device = check_generation_device(device, model)
+        self.adapter_names = [name for name, param in model.named_parameters() if param.requires_grad]
+        named = dict(model.named_parameters())
+        self._adapter = [named[name] for name in self.adapter_names]
+        store = trainer_store()
+        self.process = mp.get_context("spawn").Process(target=serve, args=("127.0.0.1", store.port), daemon=True)
+        self.process.start()
+        self.channel = Channel(store, rank=0)
+        self._send_model(model, max_seq_len, engine_options)
+        self.synced_version = None  # the trainer's optimizer step whose adapter the engine holds
+        self.sync_bytes: list[int] = []  # bytes of each adapter sync, in order
+        self.model_bytes = self.channel.bytes_sent  # the one-time copy of the whole model
+        self.pending = None  # the prompts of the request in flight, if any
+        self.last_stats: dict = {}
+
+    def _send_model(self, model, max_seq_len, engine_options) -> None:
+        state = model.state_dict()
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        self.channel.send_object({
+            "device": str(self.device), "config": config, "dtype": next(iter(state.values())).dtype,
+            "peft_config": model.peft_config[model.active_adapter], "adapter_names": self.adapter_names,
+            "generation_config": getattr(model, "generation_config", None),
+            "state": {name: (tuple(t.shape), t.dtype) for name, t in state.items()},
+            "max_seq_len": max_seq_len, "engine_options": engine_options,
+        })  # fmt: skip
+        for tensor in state.values():  # in state_dict order, which the engine process's copy shares
+            self.channel.send_tensor(tensor)
+
+    def sync(self, version) -> int:
+        """Send the adapter unless the engine already holds `version`'s; returns the bytes sent."""
+        if version == self.synced_version:
+            return 0
+        sent = send_adapter(self.channel, self._adapter)
+        self.synced_version = version
+        self.sync_bytes.append(sent)
+        return sent
+
+    def submit(self, prompts: list[list[int]], params, max_new_tokens=None) -> None:
+        if self.pending is not None:
+            raise RuntimeError("a rollout request is already in flight; collect it first")
+        prompts = [list(map(int, p)) for p in prompts]
+        self.channel.send_object({"op": "generate", "prompts": prompts, "params": params,
+                                  "max_new_tokens": max_new_tokens})  # fmt: skip
+        self.pending, self._pending_version = prompts, self.synced_version
+
+    def collect(self):
+        """The in-flight request's RolloutOutput (blocks until the engine process has it); its stats say which
+        adapter version generated it (`adapter_version`, the trainer's optimizer step at the last sync)."""
+        if self.pending is None:
+            raise RuntimeError("no rollout request in flight")
+        output = self.channel.recv_object()
+        output.stats["adapter_version"] = self._pending_version
+        self.pending = None
+        self.last_stats = output.stats
+        return output
+
+    def generate(self, prompts, params, max_new_tokens=None):
+        self.submit(prompts, params, max_new_tokens)
+        return self.collect()
+
+    def release(self, keep_graph: bool = True) -> None:
+        """Nothing to give back: the engine's memory is on its own device."""
+
+    def adapter_held(self) -> list[torch.Tensor]:
+        """The adapter's tensors as the engine process holds them now (a copy, for checks)."""
+        held = [torch.empty_like(t, device="cpu") for t in self._adapter]
+        self.channel.send_object({"op": "dump"})
+        recv_adapter_into(self.channel, self.channel.recv_object(), held)
+        return held
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            if self.pending is not None:
+                self.collect()
+            self.channel.send_object({"op": "stop"})
+            self.process.join(timeout=60)
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "process": self.process.pid, "model_bytes": self.model_bytes,
+                "sync_bytes": self.sync_bytes[-1] if self.sync_bytes else 0, "syncs": len(self.sync_bytes)}  # fmt: skip

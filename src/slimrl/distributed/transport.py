@@ -1,0 +1,56 @@
+"""A two-process channel over torch.distributed for the rollout device: the trainer is rank 0, the engine process
+rank 1, in a process group of their own (a `TCPStore` and a gloo group built directly, so the trainer's own default
+group, if accelerate made one, is left alone).
+
+Tensors go as they are; Python objects (requests, replies) are pickled into a uint8 tensor behind an int64 length.
+Every send is matched by one recv on the other side, in order, with the same tag; a side never sends while the
+other is blocked sending to it (the trainer always collects a reply before it sends the next message).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(minutes=30)  # a rollout of a large batch can take minutes; a dead peer fails then
+
+
+def trainer_store(host: str = "127.0.0.1") -> dist.TCPStore:
+    """The trainer's rendezvous store, on a free port (`store.port` is what the engine process connects to)."""
+    return dist.TCPStore(host, 0, 2, True, wait_for_workers=False, timeout=TIMEOUT)
+
+
+def engine_store(host: str, port: int) -> dist.TCPStore:
+    return dist.TCPStore(host, port, 2, False, timeout=TIMEOUT)
+
+
+class Channel:
+    """One end of the trainer <-> engine-process channel. Building it blocks until the other end builds its own."""
+
+    def __init__(self, store: dist.TCPStore, rank: int):
+        self.store = store
+        self.rank, self.peer = rank, 1 - rank
+        self.group = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
+        self.bytes_sent = 0
+
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous().cpu()
+        self.group.send([tensor], self.peer, 0).wait()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def recv_tensor(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype)
+        self.group.recv([tensor], self.peer, 0).wait()
+        return tensor
+
+    def send_object(self, obj) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send_tensor(torch.tensor([data.numel()], dtype=torch.int64))
+        self.send_tensor(data)
+
+    def recv_object(self):
+        size = int(self.recv_tensor((1,), torch.int64).item())
+        return pickle.loads(self.recv_tensor((size,), torch.uint8).numpy().tobytes())

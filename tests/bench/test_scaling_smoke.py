@@ -1,0 +1,74 @@
+"""bench/scaling.py on the CPU: with no launcher (N = 1) both sides run, each step split into phases with completion
+tokens per second over all ranks and no weight sync; under torchrun with 2 processes (DDP over gloo) the same script
+reports world size 2 and twice the N = 1 run's prompts per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "scaling.py"
+NO_SYNC_NOTE = "engine shares the training weights (no sync)"
+
+
+def run(command: list[str], out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("scaling") / "scaling.json"
+    return run([sys.executable, str(SCRIPT), str(out), "--tiny", "--steps", "2", "--trl-steps", "1"], out)
+
+
+def test_one_process_times_both_sides_with_tokens_per_second_and_no_sync(single):
+    assert single["problems"] == [] and single["world_size"] == 1 and single["distributed_type"] == "NO"
+    assert set(single["versions"]) >= {"torch", "transformers", "trl", "peft", "accelerate"}
+    assert single["gpu"] == "cpu" and "--tiny" in single["command"]
+    assert list(single["sides"]) == ["slimrl", "trl"]
+    for kind, steps in (("slimrl", 2), ("trl", 1)):
+        side = single["sides"][kind]
+        assert side["status"] == "ok", side.get("error")
+        assert side["world_size"] == 1 and side["steps_run"] == len(side["steps"]) == steps
+        assert side["sync_bytes"] == 0 and side["sync_note"] == NO_SYNC_NOTE
+        assert side["peak_GiB_per_rank"] is None  # no CUDA
+        for step in side["steps"]:
+            assert step["generation_s"] > 0 and step["training_s"] > 0, (kind, step)
+            assert step["completion_tokens"] > 0 and step["tokens_per_s"] > 0, (kind, step)
+            assert step["sync_bytes"] == 0 and step["peak_GiB_per_rank"] is None
+        assert side["tokens_per_s"]["mean_all"] > 0
+    assert single["sides"]["slimrl"]["prompts_per_step"] == single["settings"]["prompts_per_step"] == 1
+
+
+def test_two_processes_double_the_prompts_per_step(single, tmp_path):
+    out = tmp_path / "scaling_n2.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(SCRIPT), str(out), "--tiny", "--sides", "slimrl", "--steps", "1"]  # fmt: skip
+    report = run(command, out)  # torchrun's env: accelerate runs DDP over gloo on the CPU
+    assert report["problems"] == [] and report["world_size"] == 2 and report["distributed_type"] == "MULTI_CPU"
+    assert list(report["sides"]) == ["slimrl"]
+    side = report["sides"]["slimrl"]
+    assert side["status"] == "ok" and side["world_size"] == 2 and side["steps_run"] == 1, side.get("error")
+    per_rank = single["sides"]["slimrl"]["prompts_per_step_per_rank"]
+    assert side["prompts_per_step"] == report["settings"]["prompts_per_step"] == 2 * per_rank
+    assert side["completions_per_step"] == 2 * single["sides"]["slimrl"]["completions_per_step"]
+    (step,) = side["steps"]
+    assert step["generation_s"] > 0 and step["training_s"] > 0 and step["tokens_per_s"] > 0
+    one_rank_at_most = report["settings"]["num_generations"] * report["settings"]["completion_length"]
+    assert step["completion_tokens"] > one_rank_at_most  # summed over both ranks (deterministic on the CPU)

@@ -1,0 +1,173 @@
+"""The rollout device on the CPU: the engine in a process of its own (gloo between the two), fed only the adapter.
+
+A tiny Llama with LoRA trains with GRPO for a few steps at a large learning rate (so the adapter visibly moves):
+- after each optimizer step, at the rollout, the engine process holds the trainer's adapter bit for bit, and each
+  sync moves exactly the adapter's bytes (also logged as rollout/sync_bytes);
+- with async_generation, the rollout of step k was sampled by the adapter of step k - 1 (rollout/staleness 1), its
+  sampling log-probs are that stale policy's own (recomputed here from a snapshot of it), and TRL's importance
+  sampling ratio exp(old - sampling), truncated at TRL's bounds, is what the loss received;
+- bad settings are refused before training, naming the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from slimrl.trainers.engine_rollouts import EngineRolloutMixin
+from tests.tolerances import assert_close
+from tests.trainers.grpo_harness import build_trainer
+
+
+def length_reward(completions, **kwargs):
+    return [-abs(len(text) - 6) / 6 for text in completions]
+
+
+def adapter_of(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+
+
+class Snapshots(TrainerCallback):
+    """The adapter after each optimizer step, by global step (0: before the first)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.by_step = trainer, {0: adapter_of(trainer)}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.by_step[state.global_step] = adapter_of(self.trainer)
+
+
+def remote_trainer(**config):
+    settings = dict(reward_funcs=length_reward, generation_device="cpu", max_steps=3, logging_steps=1,
+                    max_completion_length=6, learning_rate=0.05, temperature=1.0, seed=5)  # fmt: skip
+    settings.update(config)
+    return build_trainer("slimrl", **settings)
+
+
+def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_the_adapter(monkeypatch):
+    trainer = remote_trainer()
+    held_at_rollouts = []
+    original = EngineRolloutMixin._remote_rollout
+
+    def check(self, prompt_ids):
+        output = original(self, prompt_ids)
+        held_at_rollouts.append(all(torch.equal(a, b) for a, b in zip(self.rollout_engine.adapter_held(),
+                                                                      adapter_of(self), strict=True)))  # fmt: skip
+        return output
+
+    monkeypatch.setattr(EngineRolloutMixin, "_remote_rollout", check)
+    try:
+        trainer.train()
+        engine = trainer.rollout_engine
+        assert held_at_rollouts == [True, True, True]
+        adapter_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        assert engine.sync_bytes == [adapter_bytes] * 3  # one sync per optimizer step, the adapter only
+        assert engine.model_bytes > 10 * adapter_bytes  # the whole model went once, at the start
+        logged = [e["rollout/sync_bytes"] for e in trainer.state.log_history if "rollout/sync_bytes" in e]
+        assert logged == [adapter_bytes] * 3
+        assert [e["rollout/staleness"] for e in trainer.state.log_history if "rollout/staleness" in e] == [0, 0, 0]
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    finally:
+        trainer.rollout_engine.close()
+    assert not engine.process.is_alive()
+
+
+def expected_ratio(mode: str, old, sampling, mask, low, high):
+    """TRL's importance-sampling ratio, worked out here for the two modes tested."""
+    if mode == "token_truncate":
+        return torch.exp(old - sampling).clamp(low, high)
+    ratio = torch.exp(((old - sampling) * mask).sum(-1, keepdim=True))  # sequence_mask: one ratio per sequence
+    return ratio.masked_fill((ratio > high) | (ratio < (low if low is not None else 0.0)), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_async_generation_samples_from_the_previous_step_and_corrects_by_importance_sampling(monkeypatch, mode):
+    trainer = remote_trainer(async_generation=True, vllm_importance_sampling_mode=mode)
+    snapshots = Snapshots(trainer)
+    trainer.add_callback(snapshots)
+    batches = []
+    original = type(trainer)._generate_and_score_completions
+
+    def record(self, inputs):
+        output = original(self, inputs)
+        batches.append((self.state.global_step, {k: v.detach().clone() for k, v in output.items()
+                                                 if isinstance(v, torch.Tensor)}))  # fmt: skip
+        return output
+
+    monkeypatch.setattr(type(trainer), "_generate_and_score_completions", record)
+    try:
+        trainer.train()
+    finally:
+        trainer.rollout_engine.close()
+    staleness = [e["rollout/staleness"] for e in trainer.state.log_history if "rollout/staleness" in e]
+    assert staleness == [0, 1, 1]  # the first step's rollout waits; later ones were sampled a step behind
+    assert [e["rollout/sync_bytes"] > 0 for e in trainer.state.log_history if "rollout/sync_bytes" in e] == [True] * 3
+    low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+    for step, batch in batches[1:]:
+        stale, current = snapshots.by_step[step - 1], snapshots.by_step[step]
+        assert any(not torch.equal(a, b) for a, b in zip(stale, current, strict=True))
+        mask = batch["completion_mask"].bool()
+        sampled_by_stale = policy_logps(trainer, stale, batch)
+        assert_close(batch["sampling_per_token_logps"][mask], sampled_by_stale[mask], "engine_logprobs",
+                     name=f"step {step}: sampling log-probs are the stale policy's")  # fmt: skip
+        assert_close(batch["old_per_token_logps"][mask], policy_logps(trainer, current, batch)[mask],
+                     "engine_logprobs", name=f"step {step}: old log-probs are the trained policy's")  # fmt: skip
+        ratio = batch["importance_sampling_ratio"]
+        expected = expected_ratio(mode, batch["old_per_token_logps"], batch["sampling_per_token_logps"], mask, low,
+                                  high)  # fmt: skip
+        assert ratio.shape == expected.shape
+        assert_close(ratio, expected, "engine_logprobs", name=f"step {step}: importance sampling ratio")
+        assert (ratio - 1).abs().max() > 1e-3  # the correction does something
+    logged = [e for e in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in e]
+    assert len(logged) == 3
+
+
+def policy_logps(trainer, adapter: list[torch.Tensor], batch) -> torch.Tensor:
+    """Per-token log-probs of the batch's completions under `adapter`, by the training forward (at the rollout's
+    temperature, as TRL scores them)."""
+    model = copy.deepcopy(trainer.model).eval()
+    with torch.no_grad():
+        for param, value in zip((p for p in model.parameters() if p.requires_grad), adapter, strict=True):
+            param.copy_(value)
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, batch["completion_ids"].size(1))
+    return logps
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (dict(generation_device="cuda:7"), "does not exist"),
+        (dict(generation_device="tpu"), "is not a device"),
+        (dict(async_generation=True), "set generation_device"),
+        (dict(generation_device="cpu", generation_backend="transformers"), "cannot be combined"),
+        (dict(generation_device="cpu", async_generation=True, num_iterations=2), "num_iterations=1"),
+    ],
+    ids=["missing-cuda-device", "not-a-device", "async-without-device", "other-backend", "num-iterations"],
+)
+def test_bad_rollout_device_settings_are_refused_before_training(config, message):
+    with pytest.raises(ValueError, match=message):
+        build_trainer("slimrl", reward_funcs=length_reward, **config)
+
+
+def test_sharded_training_is_recognised_for_fsdp_and_zero3_only():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from slimrl.trainers.engine_rollouts import sharded_training
+
+    def accelerator(kind, stage=None):
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+            zero_stage=stage)))  # fmt: skip
+
+    assert sharded_training(accelerator(DistributedType.FSDP))
+    assert sharded_training(accelerator(DistributedType.DEEPSPEED, 3))
+    assert not sharded_training(accelerator(DistributedType.DEEPSPEED, 2))
+    assert not sharded_training(accelerator(DistributedType.MULTI_GPU))
+    assert not sharded_training(accelerator(DistributedType.NO))
