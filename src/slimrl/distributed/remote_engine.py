@@ -9,14 +9,10 @@ training (trainers/async_rollouts.py).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from slimrl.distributed.rollout_server import recv_adapter_into, send_adapter, serve
 from slimrl.distributed.transport import Channel, trainer_store
-
-logger = logging.getLogger(__name__)
 
 
 def check_generation_device(device: str, model) -> torch.device:

@@ -70,7 +70,6 @@ class AsyncRolloutMixin:
 
     def _submit_rollout(self, batch: list[dict]) -> None:
         """The engine process starts on this generation batch's prompts, after the latest optimizer step's adapter."""
-        engine = self._engine()
-        self._log_sync_bytes(engine.sync(self.state.global_step))
+        self._sync_rollout_adapter()
         prompt_ids = self._tokenize_prompts([row["prompt"] for row in batch])[0]
-        engine.submit(prompt_ids, self._engine_params(), self.max_completion_length)
+        self._engine().submit(prompt_ids, self._engine_params(), self.max_completion_length)

@@ -137,13 +137,15 @@ class EngineRolloutMixin:
         else:
             if engine.pending is not None:  # generated ahead for other prompts (an evaluation came between)
                 self._rollout_ahead = (engine.pending, engine.collect())
-            self._log_sync_bytes(engine.sync(self.state.global_step))
+            self._sync_rollout_adapter()
             output = engine.generate(prompt_ids, self._engine_params(), max_new_tokens=self.max_completion_length)
         # optimizer steps between the adapter that sampled this rollout and the one that trains on it
         self._log_rollout_metric("rollout/staleness", self.state.global_step - output.stats["adapter_version"])
         return output
 
-    def _log_sync_bytes(self, sent: int) -> None:
+    def _sync_rollout_adapter(self) -> None:
+        """The rollout device gets the adapter of the latest optimizer step (unless it has it); the bytes are logged."""
+        sent = self._engine().sync(self.state.global_step)
         if sent:
             self._log_rollout_metric("rollout/sync_bytes", sent)
 
