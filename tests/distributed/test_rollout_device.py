@@ -160,7 +160,7 @@ def test_sharded_training_is_recognised_for_fsdp_and_zero3_only():
 
     from accelerate.utils import DistributedType
 
-    from slimrl.trainers.engine_rollouts import sharded_training
+    from slimrl.distributed.sharded import sharded_training
 
     def accelerator(kind, stage=None):
         return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
@@ -171,3 +171,19 @@ def test_sharded_training_is_recognised_for_fsdp_and_zero3_only():
     assert not sharded_training(accelerator(DistributedType.DEEPSPEED, 2))
     assert not sharded_training(accelerator(DistributedType.MULTI_GPU))
     assert not sharded_training(accelerator(DistributedType.NO))
+
+
+def test_an_engine_process_that_dies_before_connecting_is_reported_at_once():
+    import time
+    from types import SimpleNamespace
+
+    from slimrl.distributed.transport import ENGINE_UP, trainer_store, wait_for_engine
+
+    store = trainer_store()
+    dead = SimpleNamespace(is_alive=lambda: False, exitcode=1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited \(code 1\) before it connected"):
+        wait_for_engine(store, dead, poll_s=0.01)
+    assert time.monotonic() - start < 5
+    store.set(ENGINE_UP, "1")  # once the engine has reached the store, a process that ended since is the channel's
+    wait_for_engine(store, dead)

@@ -16,11 +16,18 @@ from tests.trainers.test_grpo_train_parity import train_log  # noqa: E402
 def split_group_log(kind: str, **config) -> list[dict]:
     """Each prompt's 4 completions on two ranks (2 each), no logit bias (the engine takes no sequence_bias; at
     temperature 0.9 some completions end early anyway)."""
+    return split_group_trainer(kind, **config).state.log_history
+
+
+def split_group_trainer(kind: str, **config):
+    """The trainer of `split_group_log`, after training."""
+    config = {"beta": 0.04, **config}
     trainer = build_trainer(kind, reward_funcs=length_reward, max_steps=3, logging_steps=1, max_completion_length=8,
                             temperature=0.9, seed=5, learning_rate=5e-3, per_device_train_batch_size=2,
-                            num_generations=4, loss_type="dapo", beta=0.04, **config)  # fmt: skip
+                            num_generations=4, loss_type="dapo", **config)  # fmt: skip
     trainer.train()
-    return trainer.state.log_history
+    return trainer
+
 
 if __name__ == "__main__":
     out_path = sys.argv[1]

@@ -1,3 +1,4 @@
-"""Beyond one GPU: the rollout device, an engine in its own process fed only the trainable tensors (the LoRA
-adapter) after each optimizer step. (Gathering sharded FSDP2 / ZeRO-3 weights for the in-process engine is not built
-yet; under sharded training the trainers generate through TRL's path.)"""
+"""Beyond one GPU. `sharded.py`: the in-process engine over FSDP2- and ZeRO-3-sharded weights (gathered once per
+rollout, freed after it; the fit check before training). The rollout device: an engine in its own process
+(`rollout_server.py`), fed only the trainable tensors (the LoRA adapter) after each optimizer step by the trainer's
+`RemoteRolloutEngine` (`remote_engine.py`), over a two-rank gloo channel (`transport.py`)."""

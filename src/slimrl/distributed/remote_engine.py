@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from slimrl.distributed.rollout_server import recv_adapter_into, send_adapter, serve
-from slimrl.distributed.transport import Channel, trainer_store
+from slimrl.distributed.transport import Channel, trainer_store, wait_for_engine
 
 
 def check_generation_device(device: str, model) -> torch.device:
@@ -53,6 +53,7 @@ class RemoteRolloutEngine:
         store = trainer_store()
         self.process = mp.get_context("spawn").Process(target=serve, args=("127.0.0.1", store.port), daemon=True)
         self.process.start()
+        wait_for_engine(store, self.process)
         self.channel = Channel(store, rank=0)
         self._send_model(model, max_seq_len, engine_options)
         self.synced_version = None  # the trainer's optimizer step whose adapter the engine holds

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from slimrl.distributed.transport import Channel, engine_store
+from slimrl.distributed.transport import ENGINE_UP, Channel, engine_store
 
 
 def adapter_groups(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[int]]]:
@@ -73,7 +73,9 @@ def build_model(spec: dict, channel: Channel):
 def serve(host: str, port: int) -> None:
     from slimrl.rollout.engine import RolloutEngine
 
-    channel = Channel(engine_store(host, port), rank=1)
+    store = engine_store(host, port)
+    store.set(ENGINE_UP, "1")
+    channel = Channel(store, rank=1)
     spec = channel.recv_object()
     if spec["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(spec["device"]))

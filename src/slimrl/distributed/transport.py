@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,23 @@ def trainer_store(host: str = "127.0.0.1") -> dist.TCPStore:
 
 def engine_store(host: str, port: int) -> dist.TCPStore:
     return dist.TCPStore(host, port, 2, False, timeout=TIMEOUT)
+
+
+ENGINE_UP = "slimrl/engine_up"  # set by the engine process once it has reached the store
+
+
+def wait_for_engine(store: dist.TCPStore, process, poll_s: float = 0.2) -> None:
+    """Block until the engine process has reached the store; if it exits first (a failed import, a bad device), say
+    so at once instead of waiting out the channel's timeout."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not store.check([ENGINE_UP]):
+        if not process.is_alive():
+            raise RuntimeError(f"The rollout device's engine process exited (code {process.exitcode}) before it "
+                               "connected to the trainer; its traceback is printed above it. Fix what it names, "
+                               "or train without generation_device.")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"The rollout device's engine process did not connect within {TIMEOUT}.")
+        time.sleep(poll_s)
 
 
 class Channel:

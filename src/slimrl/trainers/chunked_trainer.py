@@ -36,7 +36,12 @@ class ChunkedTrainerMixin:
         if offload or (offload is None and self.args.gradient_checkpointing):
             from slimrl.models.checkpointing import enable_offloaded_checkpointing
 
-            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), self.args.mlp_tile_tokens)
+            tile = mlp_tile_tokens_for(self.accelerator, self.args.mlp_tile_tokens)
+            if tile != self.args.mlp_tile_tokens:
+                logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): DeepSpeed ZeRO-2/3 reduces "
+                               "a weight's gradient once per backward pass, and tiles are backpropagated one at a "
+                               "time.")  # fmt: skip
+            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), tile)
 
     @property
     def last_auto_chunks(self) -> int | None:
@@ -46,10 +51,6 @@ class ChunkedTrainerMixin:
     def _num_chunks_for(self, lengths: list[int], device: torch.device) -> int:
         """Chunks for a micro-batch whose units (sequences, or pairs) hold these token counts."""
         requested = getattr(self.args, "num_chunks", "auto")
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            if requested != 1:
-                self._log_fallback("DeepSpeed runs its own backward, so the micro-batch is not chunked")
-            return 1
         if requested != "auto":
             return int(requested)
         from slimrl.trainers.auto_chunks import auto_num_chunks
@@ -98,9 +99,23 @@ class ChunkedTrainerMixin:
         divisor = self._ga_divisor(num_items_in_batch)
 
         def backward(loss: torch.Tensor) -> None:
-            self.accelerator.backward(loss / divisor if divisor != 1 else loss)
+            self._backward_inner_chunk(loss / divisor if divisor != 1 else loss)
 
         return run_chunks(chunks, chunk_loss, backward, lambda: self.accelerator.no_sync(model))
+
+    def _backward_inner_chunk(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
+        """The backward of a chunk before the micro-batch's last one: accelerate's, except under DeepSpeed, whose
+        accelerate backward also runs the optimizer step. There the engine's own backward runs with the accumulation
+        boundary off, so DeepSpeed accumulates the chunk's gradient (ZeRO-2/3 partition it) as it does a micro-batch's;
+        the last chunk, backpropagated by the caller through accelerate, ends the micro-batch and steps when the
+        accumulation ends. scale_wrt_gas: whether DeepSpeed divides by the accumulation steps, as in the caller's
+        final backward (transformers' `training_step` turns that off; TRL's online DPO leaves it on)."""
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            self.accelerator.backward(loss)
+            return
+        engine = self.accelerator.deepspeed_engine_wrapped.engine
+        engine.set_gradient_accumulation_boundary(is_boundary=False)
+        engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
 
     def _ga_divisor(self, num_items_in_batch) -> int:
         """What HF Trainer's `training_step` divides the returned loss by (its rule, transformers 5.x)."""
@@ -114,4 +129,15 @@ class ChunkedTrainerMixin:
         return 1 if scaled else getattr(self, "current_gradient_accumulation_steps", 1)  # set by train()
 
 
-__all__ = ["ChunkStats", "ChunkedTrainerMixin"]
+def mlp_tile_tokens_for(accelerator, requested: int) -> int:
+    """The MLP tile for the offloaded checkpoints' recompute: `requested`, or 0 (untiled) under DeepSpeed ZeRO-2/3,
+    whose gradient hooks reduce and partition each weight's gradient once per backward pass (a second tile's
+    gradient for the same weight in one pass trips its bucket check)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if getattr(plugin, "zero_stage", 0) >= 2:
+            return 0
+    return requested
+
+
+__all__ = ["ChunkStats", "ChunkedTrainerMixin", "mlp_tile_tokens_for"]

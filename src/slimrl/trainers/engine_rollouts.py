@@ -19,19 +19,9 @@ import logging
 
 import torch
 
+from slimrl.distributed.sharded import sharded_training, sharding, whole_weights
+
 logger = logging.getLogger(__name__)
-
-
-def sharded_training(accelerator) -> bool:
-    """True under FSDP or DeepSpeed ZeRO-3, where no rank holds the whole weights between gathers."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return True
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        return getattr(plugin, "zero_stage", 0) == 3
-    return False
 
 
 class EngineRolloutMixin:
@@ -53,13 +43,6 @@ class EngineRolloutMixin:
 
             check_generation_device(device, self.accelerator.unwrap_model(self.model))
         requested = "engine" if device is not None else self.args.generation_backend
-        if sharded_training(self.accelerator) and device is None:
-            # the in-process engine reads the live weights as whole tensors; FSDP2 and ZeRO-3 hold them in shards
-            if requested == "engine":
-                raise ValueError("generation_backend='engine' does not run on FSDP- or ZeRO-3-sharded weights yet. "
-                                 "Use generation_backend='transformers' (TRL's path, gathering as TRL does), or "
-                                 "data parallel (DDP) with the engine.")  # fmt: skip
-            requested = "transformers"
         self._generation_backend, reason = choose_backend(
             requested,
             self.accelerator.unwrap_model(self.model),
@@ -68,10 +51,33 @@ class EngineRolloutMixin:
             use_continuous_batching=getattr(self.args, "use_transformers_continuous_batching", False),
             generation_kwargs=self.args.generation_kwargs,
         )
+        if self._generation_backend == "engine" and device is None and sharded_training(self.accelerator):
+            problem = self._sharded_engine_problem()
+            if problem is not None and requested == "engine":
+                raise ValueError(f"generation_backend='engine': {problem}.")
+            if problem is not None:
+                self._generation_backend, reason = "transformers", problem
         if self.args.generation_backend == "auto" and self._generation_backend != "engine":
             # on CUDA the engine was expected, so the fallback is worth a warning; on CPU it is the plan
             log = logger.warning if torch.cuda.is_available() else logger.info
             log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
+
+    def _sharded_engine_problem(self) -> str | None:
+        """Why the in-process engine cannot run over this trainer's sharded weights (FSDP2, ZeRO-3), or None: FSDP1's
+        flat parameters are not gathered, and the whole weights must fit beside this rank's training state."""
+        from slimrl.distributed.sharded import engine_fit_problem
+
+        if sharding(self.accelerator) == "fsdp1":
+            return ("slimrl's engine gathers FSDP2's and ZeRO-3's sharded weights, not FSDP1's flat parameters: set "
+                    "fsdp_version: 2 in the accelerate config")  # fmt: skip
+        model = self.accelerator.unwrap_model(self.model)
+        # a row as long as the engine's cache (FastLanguageModel's max_seq_length), else the completion and 1024
+        # prompt tokens
+        options = getattr(model, "slimrl_options", None)
+        seq_len = getattr(options, "max_seq_length", None) or self.max_completion_length + 1024
+        half = self.args.bf16 or self.args.fp16
+        return engine_fit_problem(model, world_size=self.accelerator.num_processes, device=self.accelerator.device,
+                                  compute_bytes=2 if half else None, seq_len=seq_len)  # fmt: skip
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *trl_args, **trl_kwargs):
         # contract: TRL's return for this trainer (completion ids per prompt, EOS included and nothing after it; GRPO
@@ -87,11 +93,12 @@ class EngineRolloutMixin:
         from slimrl.trainers.generation import inference_mode
 
         model = self.accelerator.unwrap_model(self.model)
-        engine = self._engine()
         if getattr(self.args, "generation_device", None) is not None:
             output = self._remote_rollout(prompt_ids)
         else:
-            with inference_mode(model):
+            # sharded weights (FSDP2, ZeRO-3) are gathered for the rollout and given back after it
+            with whole_weights(self.accelerator, self.model_wrapped), inference_mode(model):
+                engine = self._engine()
                 output = engine.generate(prompt_ids, self._engine_params(), max_new_tokens=self.max_completion_length)
             engine.release()  # the KV cache goes back to training
         return output.completion_ids, output.logprobs

@@ -32,9 +32,17 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: the local shard of an FSDP2-sharded DTensor, else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def gradient_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """The global L2 norm of the gradients that exist (fp32, on their device; no host sync), or None if none do."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    """The L2 norm of the gradients that exist (fp32, on their device; no host sync), or None if none do. Under
+    FSDP2 it is the norm of this process's shards: finite exactly when they are (the flags are reduced across
+    processes after)."""
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return None
     norms = torch._foreach_norm(grads, 2.0)

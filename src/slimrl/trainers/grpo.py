@@ -105,7 +105,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         loss, totals = run_chunks(
             batch.chunks,
             lambda chunk: self._chunk_loss(model, inputs, batch, chunk),
-            backward=self.accelerator.backward,
+            backward=self._backward_inner_chunk,
             no_sync=lambda: self.accelerator.no_sync(model),
         )
         self._log_chunk_metrics(mode, totals)

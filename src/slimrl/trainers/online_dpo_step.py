@@ -169,7 +169,7 @@ class ChunkedOnlineDPOStep:
         loss, totals = run_chunks(
             chunks,
             lambda chunk: self._pair_chunk_loss(model, rollout, chosen, rejected, chunk, beta),
-            self.accelerator.backward,
+            lambda loss: self._backward_inner_chunk(loss, scale_wrt_gas=True),
             lambda: self.accelerator.no_sync(model),
         )
         self.accelerator.backward(loss)  # the last chunk's graph (earlier chunks' losses enter detached)

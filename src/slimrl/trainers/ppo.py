@@ -132,9 +132,11 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         offload = args.offload_checkpoints or (args.offload_checkpoints is None and args.gradient_checkpointing)
         if offload and not args.use_cpu and torch.cuda.is_available():
             from slimrl.models.checkpointing import enable_offloaded_checkpointing
+            from slimrl.trainers.chunked_trainer import mlp_tile_tokens_for
 
+            tile = mlp_tile_tokens_for(self.accelerator, args.mlp_tile_tokens)
             for module in (m for m in (wrapper.policy, wrapper.value_model) if m is not None):
-                enable_offloaded_checkpointing(module, args.mlp_tile_tokens)
+                enable_offloaded_checkpointing(module, tile)
 
     # -- data: one rollout's prompts per batch ---------------------------------------------------------------------
 

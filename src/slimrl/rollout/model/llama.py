@@ -20,6 +20,7 @@ from slimrl.rollout.model.views import (
     NormSpec,
     UnsupportedModel,
     check_supported,
+    embed_tokens,
     linear_spec,
     norm_spec,
     spec_identity,
@@ -70,7 +71,7 @@ class Decoder:
         self.sliding_window = min((w for w in windows if w), default=None)
         self.device = self.embed.weight.device
         with torch.no_grad():
-            self.dtype = self.embed(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
+            self.dtype = embed_tokens(self.embed, torch.zeros(1, dtype=torch.long, device=self.device)).dtype
 
     @property
     def num_layers(self) -> int:
@@ -106,7 +107,7 @@ class Decoder:
         length."""
         mark = _mark_rows_dynamic if mark_dynamic and ids.shape[0] > 1 else _unmarked
         n, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        hidden = self.embed(ids)
+        hidden = embed_tokens(self.embed, ids)
         mark(hidden, cos, sin)
         begin = getattr(ops.add_lora, "begin", None)
         if begin is not None:  # one zeroed LoRA workspace for the whole forward (4 projection groups per layer)

@@ -40,6 +40,15 @@ class NormSpec(NamedTuple):
     eps: float
 
 
+def embed_tokens(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The token embeddings of `ids`: a plain `nn.Embedding` is looked up from its weight, not called, so hooks on it
+    (FSDP2's unshard/reshard, ZeRO-3's fetch/release, which would gather or free it mid-rollout) do not run; any
+    other embedding module is called."""
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward and module.max_norm is None:
+        return torch.nn.functional.embedding(ids, module.weight)
+    return module(ids)
+
+
 def supports(model: nn.Module) -> tuple[bool, str]:
     """(True, "") when the engine can run `model`, else (False, why): the reason names what is missing."""
     try:
@@ -105,7 +114,7 @@ def _lora_linear_spec(module: nn.Module) -> LinearSpec | None:
     if not isinstance(module, LoraLinear):
         return None
     base = module.base_layer
-    if type(base) is not nn.Linear or getattr(module, "fan_in_fan_out", False):
+    if not is_plain_linear(base) or getattr(module, "fan_in_fan_out", False):
         return None
     if module.merged:
         # peft unmerges inside forward when adapters are disabled; let it
@@ -118,15 +127,22 @@ def _lora_linear_spec(module: nn.Module) -> LinearSpec | None:
         if name not in module.lora_A:
             continue
         lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-        if name in variants or type(lora_a) is not nn.Linear or lora_b.bias is not None:
+        if name in variants or not is_plain_linear(lora_a) or lora_b.bias is not None:
             return None
         loras.append((lora_a.weight, lora_b.weight, float(module.scaling[name])))
     return LinearSpec(None, base.weight, base.bias, tuple(loras))
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` whose forward is torch's own: nn.Linear itself, or the class FSDP2's `fully_shard` derives from
+    it (whose hooks must not run mid-rollout); bitsandbytes' layers and other subclasses with their own forward are
+    not."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 def linear_spec(module: nn.Module) -> LinearSpec:
     """What applying `module` means at this moment (adapters enabled or not, merged or not, which are active)."""
-    if type(module) is nn.Linear:
+    if is_plain_linear(module):
         return LinearSpec(None, module.weight, module.bias, ())
     spec = _lora_linear_spec(module)
     return spec if spec is not None else LinearSpec(module, None, None, ())
