@@ -22,6 +22,15 @@ import torch
 GIB = 1024**3
 
 
+def zero_stage(accelerator) -> int | None:
+    """DeepSpeed's ZeRO stage where accelerate runs DeepSpeed, else None."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0)
+
+
 def sharding(accelerator) -> str | None:
     """"fsdp2", "fsdp1" or "zero3" where no rank holds the whole weights between gathers, else None."""
     from accelerate.utils import DistributedType
@@ -29,10 +38,7 @@ def sharding(accelerator) -> str | None:
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
         return "fsdp2" if getattr(plugin, "fsdp_version", 1) == 2 else "fsdp1"
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        return "zero3" if getattr(plugin, "zero_stage", 0) == 3 else None
-    return None
+    return "zero3" if zero_stage(accelerator) == 3 else None
 
 
 def sharded_training(accelerator) -> bool:

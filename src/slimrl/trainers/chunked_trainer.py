@@ -133,11 +133,9 @@ def mlp_tile_tokens_for(accelerator, requested: int) -> int:
     """The MLP tile for the offloaded checkpoints' recompute: `requested`, or 0 (untiled) under DeepSpeed ZeRO-2/3,
     whose gradient hooks reduce and partition each weight's gradient once per backward pass (a second tile's
     gradient for the same weight in one pass trips its bucket check)."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        if getattr(plugin, "zero_stage", 0) >= 2:
-            return 0
-    return requested
+    from slimrl.distributed.sharded import zero_stage
+
+    return 0 if (zero_stage(accelerator) or 0) >= 2 else requested
 
 
 __all__ = ["ChunkStats", "ChunkedTrainerMixin", "mlp_tile_tokens_for"]
