@@ -24,6 +24,17 @@ def test_generation_batch_not_divisible_by_num_generations():
         config(per_device_train_batch_size=3, steps_per_generation=2)
 
 
+@pytest.mark.parametrize("config_cls", [slimrl.GRPOConfig, slimrl.RLOOConfig], ids=["grpo", "rloo"])
+def test_a_world_size_that_does_not_divide_the_generation_batch(monkeypatch, config_cls):
+    # 3 processes (as `accelerate launch --num_processes 3` would give) x 4 completions a micro-step = 12 a pass,
+    # and a generation batch of 16 completions does not split into such passes
+    monkeypatch.setattr(config_cls, "world_size", property(lambda self: 3))
+    with pytest.raises(ValueError, match=r"generation_batch_size=16 cannot be split over 3 processes.*not a multiple "
+                                         r"of 12.*multiple of 12.*steps_per_generation.*divides 4"):  # fmt: skip
+        config_cls(output_dir="/tmp/slimrl-test-validation", report_to="none", bf16=False, use_cpu=True,
+                   per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+
+
 def test_fewer_than_two_generations():
     with pytest.raises(ValueError, match=r"num_generations=1.*at least 2 generations.*Set num_generations to 2"):
         config(num_generations=1, per_device_train_batch_size=1)

@@ -60,7 +60,8 @@ class GRPOConfig(RolloutFields, SlimFields, trl.GRPOConfig):
         per_step = self.generation_batch_size
         return (
             f"The generation batch holds {per_step} completions (per_device_train_batch_size="
-            f"{self.per_device_train_batch_size} x processes x steps_per_generation={self.steps_per_generation}), "
+            f"{self.per_device_train_batch_size} x processes={self.world_size} x steps_per_generation="
+            f"{self.steps_per_generation}), "
             f"which is not a multiple of num_generations={groups}, so some prompt would get a partial group. "
             f"Make per_device_train_batch_size x steps_per_generation a multiple of {groups} (e.g. "
             f"per_device_train_batch_size={groups}), or set generation_batch_size to a multiple of {groups}."

@@ -53,7 +53,25 @@ class RolloutFields:
 
     def __post_init__(self):
         check_rollout_fields(self)
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            if "must be divisible by the global batch size" in str(error):  # TRL's GRPO and RLOO configs
+                raise ValueError(world_size_message(self)) from error
+            raise
+
+
+def world_size_message(args) -> str:
+    """What to change when `generation_batch_size` does not split into passes over all processes."""
+    per_pass = args.per_device_train_batch_size * args.world_size
+    return (
+        f"generation_batch_size={args.generation_batch_size} cannot be split over {args.world_size} processes: each "
+        f"micro-step trains per_device_train_batch_size={args.per_device_train_batch_size} completions on each "
+        f"process ({per_pass} in all), and {args.generation_batch_size} is not a multiple of {per_pass}. Set "
+        f"generation_batch_size to a multiple of {per_pass}, or set steps_per_generation instead of it (the "
+        f"generation batch is then {per_pass} x steps_per_generation), or launch a number of processes that divides "
+        f"{args.generation_batch_size // args.per_device_train_batch_size}."
+    )
 
 
 def check_rollout_fields(args) -> None:
