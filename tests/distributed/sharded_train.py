@@ -12,6 +12,7 @@ import warnings
 
 warnings.simplefilter("ignore")
 
+from slimrl.distributed.sharded import global_numel  # noqa: E402
 from tests.trainers.distributed_train import split_group_log, split_group_trainer  # noqa: E402
 
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
@@ -53,10 +54,6 @@ def local_numel(parameter) -> int:
     """Elements this rank holds of a parameter right now (a DTensor's shard, ZeRO-3's gathered or empty data)."""
     to_local = getattr(parameter, "to_local", None)
     return (to_local() if to_local is not None else parameter.data).numel()
-
-
-def global_numel(parameter) -> int:
-    return int(getattr(parameter, "ds_numel", 0) or parameter.numel())
 
 
 def watch_gathers() -> list[dict]:

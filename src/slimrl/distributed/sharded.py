@@ -80,14 +80,19 @@ def whole_weights(accelerator, wrapped_model):
                          "accelerate config (FSDP2), or use generation_backend='transformers'.")  # fmt: skip
 
 
+def global_numel(parameter: torch.Tensor) -> int:
+    """Elements of a parameter once gathered: a DTensor's global size, ZeRO-3's `ds_numel` (its data is empty between
+    gathers), else its own."""
+    return int(getattr(parameter, "ds_numel", 0) or parameter.numel())
+
+
 def gathered_bytes(model: torch.nn.Module, compute_bytes: int | None = None) -> int:
     """Bytes of every weight once gathered: global sizes (DTensor shapes, ZeRO-3's `ds_numel`), floating-point ones
     in the compute dtype when mixed precision sets one (`compute_bytes`), others as stored."""
     total = 0
     for p in model.parameters():
-        numel = int(getattr(p, "ds_numel", 0) or p.numel())
         size = compute_bytes if compute_bytes and p.is_floating_point() else p.element_size()
-        total += numel * size
+        total += global_numel(p) * size
     return total
 
 
@@ -96,8 +101,7 @@ def training_share_bytes(model: torch.nn.Module, world_size: int) -> int:
     moments (16 bytes each), frozen ones as stored, all divided over the ranks."""
     total = 0
     for p in model.parameters():
-        numel = int(getattr(p, "ds_numel", 0) or p.numel())
-        total += numel * (16 if p.requires_grad else p.element_size())
+        total += global_numel(p) * (16 if p.requires_grad else p.element_size())
     return total // max(world_size, 1)
 
 
