@@ -6,13 +6,13 @@ usage: python -m tests.distributed.sharded_train {fsdp2|zero3} OUT.json
 """
 
 import contextlib
-import json
 import sys
 import warnings
 
 warnings.simplefilter("ignore")
 
 from slimrl.distributed.sharded import global_numel  # noqa: E402
+from tests.distributed.worker_exit import write_logs_and_exit  # noqa: E402
 from tests.trainers.distributed_train import split_group_log, split_group_trainer  # noqa: E402
 
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
@@ -100,16 +100,4 @@ if __name__ == "__main__":
     logs["slimrl_engine_full"] = split_group_log("slimrl", model=full_tiny_model(), beta=0.0, num_chunks=2,
                                                  generation_backend="engine", **config)  # fmt: skip
     logs["engine_full_gathers"] = gathers[len(logs["engine"]["gathers"]):]
-    from accelerate import PartialState
-
-    state = PartialState()
-    if state.is_main_process:
-        logs["num_processes"] = state.num_processes
-        logs["distributed_type"] = str(state.distributed_type)
-        with open(out_path, "w") as f:
-            json.dump(logs, f)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    write_logs_and_exit(logs, out_path)

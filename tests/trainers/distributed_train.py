@@ -2,12 +2,12 @@
 GRPO trainers with DistributedDataParallel (gloo) from the same seed and writes rank 0's logs as JSON: transformers
 generation, and slimrl's engine on every rank with each prompt's group split across the two ranks."""
 
-import json
 import sys
 import warnings
 
 warnings.simplefilter("ignore")
 
+from tests.distributed.worker_exit import write_logs_and_exit  # noqa: E402
 from tests.trainers.grpo_harness import build_trainer  # noqa: E402
 from tests.trainers.test_grpo_engine import length_reward  # noqa: E402
 from tests.trainers.test_grpo_train_parity import train_log  # noqa: E402
@@ -37,17 +37,4 @@ if __name__ == "__main__":
     # a prompt on each): its mean and std must still be the whole group's
     logs["trl_split_group"] = split_group_log("trl")
     logs["slimrl_engine_split_group"] = split_group_log("slimrl", num_chunks=2, generation_backend="engine")
-    from accelerate import PartialState
-
-    state = PartialState()
-    if state.is_main_process:
-        logs["num_processes"] = state.num_processes
-        with open(out_path, "w") as f:
-            json.dump(logs, f)
-    # tear the gloo group down before the interpreter does: left to exit, its threads can be destroyed while still
-    # joinable, and a rank then aborts ("terminate called without an active exception", seen once in CI)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    write_logs_and_exit(logs, out_path)

@@ -6,7 +6,6 @@ and writes rank 0's logs as JSON to the path given as its argument."""
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 
@@ -143,18 +142,9 @@ def assert_same_curves(reference: list[dict], ours: list[dict], steps: int = 3) 
 
 
 if __name__ == "__main__":  # python -m torch.distributed.run --nproc_per_node 2 -m tests.trainers.dpo_harness OUT
-    from accelerate import PartialState
+    from tests.distributed.worker_exit import write_logs_and_exit
 
     warnings.simplefilter("ignore")
     config = dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1], max_steps=2)
     logs = {"trl": train_log("trl", **config), "slimrl": train_log("slimrl", num_chunks=2, **config)}
-    state = PartialState()
-    if state.is_main_process:
-        logs["num_processes"] = state.num_processes
-        with open(sys.argv[1], "w") as f:
-            json.dump(logs, f)
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # tear gloo down before the interpreter does (its threads may still be joinable)
-        dist.barrier()
-        dist.destroy_process_group()
+    write_logs_and_exit(logs, sys.argv[1])
