@@ -51,6 +51,19 @@ def test_generation_backend_engine_makes_the_demo_generate_with_slimrls_engine(t
     assert metrics["rollout_engine_used"] is True and metrics["settings"]["generation_backend"] == "engine"
 
 
+def test_the_demo_trains_with_its_engine_on_a_rollout_device_one_step_ahead(tmp_path, capsys):
+    out = tmp_path / "demo"
+    flags = ["--steps", "3", "--output-dir", str(out), "--generation-device", "cpu", "--async-generation"]
+    assert main([*TINY_DEMO, *flags]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["rollout_engine_used"] is True
+    assert metrics["settings"]["generation_device"] == "cpu" and metrics["settings"]["async_generation"] is True
+    assert [entry["step"] for entry in metrics["history"]] == [1, 2, 3]
+    assert [entry["rollout/staleness"] for entry in metrics["history"]] == [0, 1, 1]
+    # the adapter goes to the engine as each step's rollout is sent ahead; the last step sends none
+    assert [entry.get("rollout/sync_bytes", 0) > 0 for entry in metrics["history"]] == [True, True, False]
+
+
 @pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
 def test_each_online_algorithm_runs_the_demo_with_the_same_metrics(algorithm, tmp_path, capsys):
     out = tmp_path / algorithm
@@ -81,7 +94,9 @@ def test_version_and_help(capsys):
 @pytest.mark.parametrize(
     "flags,message",
     [(["--num-generations", "1"], "--num-generations must be at least 2"), (["--steps", "0"], "--steps must be"),
-     (["--eval-size", "1000"], "use at most"), (["--learning-rate", "0"], "--learning-rate must be positive")],
+     (["--eval-size", "1000"], "use at most"), (["--learning-rate", "0"], "--learning-rate must be positive"),
+     (["--async-generation"], "--async-generation overlaps"), (["--load-in-4bit"], "Drop --load-in-4bit"),
+     (["--algorithm", "ppo", "--generation-device", "cpu"], "--generation-device is for grpo and rloo")],
 )  # fmt: skip
 def test_invalid_demo_settings_exit_with_a_message(flags, message, capsys):
     assert main(["demo", "--model", "tiny", *flags]) == 2

@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=defaults.device, choices=DEVICES, help="auto: CUDA when there is one")
     demo.add_argument("--generation-backend", default=defaults.generation_backend, choices=GENERATION_BACKENDS,
                       help="who generates rollouts: auto = slimrl's engine on CUDA, else transformers")  # fmt: skip
+    demo.add_argument("--load-in-4bit", action="store_true", help="load the base in 4 bits (NF4), LoRA over it")
+    demo.add_argument("--generation-device", default=defaults.generation_device,
+                      help="grpo/rloo: run the rollout engine in a process of its own on this device (e.g. cuda:1; "
+                      "cuda:0 shares the training GPU), sent only the LoRA after each step")  # fmt: skip
+    demo.add_argument("--async-generation", action="store_true",
+                      help="grpo with --generation-device: generate the next step's rollout while this step trains "
+                      "(one step stale, importance-sampling corrected)")  # fmt: skip
     demo.add_argument(
         "--on-nonfinite",
         default=defaults.on_nonfinite,

@@ -49,6 +49,9 @@ class DemoSettings:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     generation_backend: str = "auto"  # "auto" (slimrl's engine on CUDA) | "engine" | "transformers"
     on_nonfinite: str = "raise"  # a non-finite loss or gradient norm: "raise" NonFiniteError | "skip" the step
+    load_in_4bit: bool = False  # the base in NF4 (bitsandbytes), LoRA over it
+    generation_device: str | None = None  # GRPO/RLOO: the engine in a process of its own there, fed the LoRA
+    async_generation: bool = False  # GRPO with generation_device: the next step generated while this one trains
 
     def validate(self) -> None:
         """A ValueError naming the first bad setting and what to use instead."""
@@ -70,6 +73,15 @@ class DemoSettings:
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}.")  # fmt: skip
+        if self.load_in_4bit and self.model == TINY_MODEL:
+            raise ValueError("--load-in-4bit loads a real model's weights in 4 bits; the tiny model is built from a "
+                             "config in full precision. Drop --load-in-4bit, or name a model.")  # fmt: skip
+        if self.generation_device is not None and self.algorithm == "ppo":
+            raise ValueError("--generation-device is for grpo and rloo (PPO generates in the training process); "
+                             "drop it or use --algorithm grpo.")  # fmt: skip
+        if self.async_generation and (self.generation_device is None or self.algorithm != "grpo"):
+            raise ValueError("--async-generation overlaps GRPO's next rollout with this step's training on a rollout "
+                             "device: use it with --algorithm grpo and --generation-device (e.g. cuda:1).")  # fmt: skip
         held_out = split_size(self.difficulty, "eval")
         if self.eval_size > held_out:
             raise ValueError(f"--eval-size {self.eval_size} is more than the {held_out} held-out {self.difficulty} "
@@ -96,7 +108,7 @@ def load_model(settings: DemoSettings, device: str):
     else:
         dtype = None if device == "cuda" else torch.float32
         model, tokenizer = FastLanguageModel.from_pretrained(
-            settings.model, max_seq_length=512, dtype=dtype, device_map={"": device}
+            settings.model, max_seq_length=512, dtype=dtype, device_map={"": device}, load_in_4bit=settings.load_in_4bit
         )
     model = FastLanguageModel.get_peft_model(
         model,
@@ -174,6 +186,8 @@ def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) ->
         beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
         loss_type="dapo",
         temperature=1.0,
+        generation_device=settings.generation_device,
+        async_generation=settings.async_generation,
     )
 
 

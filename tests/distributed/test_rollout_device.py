@@ -6,6 +6,8 @@ A tiny Llama with LoRA trains with GRPO for a few steps at a large learning rate
 - with async_generation, the rollout of step k was sampled by the adapter of step k - 1 (rollout/staleness 1), its
   sampling log-probs are that stale policy's own (recomputed here from a snapshot of it), and TRL's importance
   sampling ratio exp(old - sampling), truncated at TRL's bounds, is what the loss received;
+- a 4-bit (and an 8-bit) base travels packed and is loaded back pre-quantised: the engine process's model is the
+  trainer's bit for bit (the same greedy completions and log-probs as an engine over the trainer's own model);
 - bad settings are refused before training, naming the fix.
 """
 
@@ -17,6 +19,8 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from slimrl.rollout.engine import RolloutEngine, SamplingParams
+from slimrl.testing import tiny_model, tiny_tokenizer
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import build_trainer
@@ -66,6 +70,7 @@ def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_
         adapter_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         assert engine.sync_bytes == [adapter_bytes] * 3  # one sync per optimizer step, the adapter only
         assert engine.model_bytes > 10 * adapter_bytes  # the whole model went once, at the start
+        assert engine.describe()["transport"] == "gloo"
         logged = [e["rollout/sync_bytes"] for e in trainer.state.log_history if "rollout/sync_bytes" in e]
         assert logged == [adapter_bytes] * 3
         assert [e["rollout/staleness"] for e in trainer.state.log_history if "rollout/staleness" in e] == [0, 0, 0]
@@ -74,6 +79,55 @@ def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_
     finally:
         trainer.rollout_engine.close()
     assert not engine.process.is_alive()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantised_base_is_sent_packed_and_the_engine_process_holds_the_trainers_model(tmp_path, bits):
+    pytest.importorskip("bitsandbytes")
+    from slimrl import FastLanguageModel
+
+    tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    model, _ = FastLanguageModel.from_pretrained(str(tmp_path / "tiny"), dtype=torch.float32,
+                                                 **{f"load_in_{bits}bit": True})  # fmt: skip
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+    trainer = remote_trainer(model=model, max_steps=2)
+    try:
+        trainer.train()
+        engine = trainer.rollout_engine
+        facts = engine.engine_facts()
+        policy = trainer.model
+        assert facts["quantized"] and facts["state_bytes"] == sum(
+            t.numel() * t.element_size() for t in policy.state_dict().values())
+        unquantised = sum(t.numel() * t.element_size() for t in tiny_model("llama").state_dict().values())
+        assert engine.model_bytes < unquantised  # the base went packed, not dequantised
+        engine.sync(trainer.state.global_step)  # the last optimizer step came after the last rollout
+        assert all(torch.equal(a, b) for a, b in zip(engine.adapter_held(), adapter_of(trainer), strict=True))
+        assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)  # the adapter moved
+        prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, seed=0)
+        remote = engine.generate(prompts, greedy, max_new_tokens=6)
+        policy.eval()
+        local = RolloutEngine(policy).generate(prompts, greedy, max_new_tokens=6)
+        assert remote.completion_ids == local.completion_ids
+        for got, want in zip(remote.logprobs, local.logprobs, strict=True):
+            assert_close(torch.tensor(got), torch.tensor(want), "engine_logprobs", name="remote vs local log-probs")
+    finally:
+        trainer.rollout_engine.close()
+
+
+def test_the_rollout_device_reproduces_a_run_from_the_trainers_seed():
+    """The engine process's sampling seed is drawn from the trainer's seeded generator, so a run repeats."""
+    logs = []
+    for _ in range(2):
+        trainer = remote_trainer(max_steps=2)
+        try:
+            trainer.train()
+        finally:
+            trainer.rollout_engine.close()
+        logs.append([(e["reward"], e["loss"], e["completions/mean_length"]) for e in trainer.state.log_history
+                     if "loss" in e])  # fmt: skip
+    assert logs[0] == logs[1]
 
 
 def expected_ratio(mode: str, old, sampling, mask, low, high):
@@ -105,7 +159,9 @@ def test_async_generation_samples_from_the_previous_step_and_corrects_by_importa
         trainer.rollout_engine.close()
     staleness = [e["rollout/staleness"] for e in trainer.state.log_history if "rollout/staleness" in e]
     assert staleness == [0, 1, 1]  # the first step's rollout waits; later ones were sampled a step behind
-    assert [e["rollout/sync_bytes"] > 0 for e in trainer.state.log_history if "rollout/sync_bytes" in e] == [True] * 3
+    # an adapter sync as each step sends the next step's rollout ahead; the last step sends none (nothing follows it)
+    synced = [e.get("rollout/sync_bytes", 0) > 0 for e in trainer.state.log_history if "loss" in e]
+    assert synced == [True, True, False] and trainer.rollout_engine.pending is None
     low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
     for step, batch in batches[1:]:
         stale, current = snapshots.by_step[step - 1], snapshots.by_step[step]
@@ -153,6 +209,37 @@ def policy_logps(trainer, adapter: list[torch.Tensor], batch) -> torch.Tensor:
 def test_bad_rollout_device_settings_are_refused_before_training(config, message):
     with pytest.raises(ValueError, match=message):
         build_trainer("slimrl", reward_funcs=length_reward, **config)
+
+
+def test_a_model_without_an_adapter_or_with_several_training_processes_is_refused():
+    from slimrl.distributed.remote_engine import check_generation_device
+
+    with pytest.raises(ValueError, match="only the LoRA adapter.*get_peft_model"):
+        build_trainer("slimrl", model=tiny_model("llama"), reward_funcs=length_reward, generation_device="cpu")
+    lora = build_trainer("slimrl", reward_funcs=length_reward).model
+    assert check_generation_device("cpu", lora) == torch.device("cpu")
+    with pytest.raises(ValueError, match="2 training process.*rollout_device.yaml"):
+        check_generation_device("cpu", lora, num_processes=2)
+    with pytest.raises(ValueError, match="with sharded weights.*fsdp2.yaml"):
+        check_generation_device("cpu", lora, sharded=True)
+
+
+def test_tensors_go_over_nccl_only_between_two_different_gpus(monkeypatch):
+    """NCCL refuses two ranks on one GPU, and the CPU has no NCCL: those stay on gloo. (The NCCL path itself needs
+    two GPUs; it is exercised by the two-GPU runs of bench/scaling.py, not here.)"""
+    import torch.distributed as dist
+
+    from slimrl.distributed.transport import tensor_backend
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert tensor_backend(torch.device("cuda:0"), torch.device("cuda:1")) == "nccl"
+    assert tensor_backend(torch.device("cuda:1"), torch.device("cuda", 0)) == "nccl"
+    assert tensor_backend(torch.device("cuda:0"), torch.device("cuda:0")) == "gloo"
+    assert tensor_backend(torch.device("cuda"), torch.device("cuda:0")) == "gloo"
+    assert tensor_backend(torch.device("cpu"), torch.device("cuda:1")) == "gloo"
+    assert tensor_backend(torch.device("cpu"), torch.device("cpu")) == "gloo"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert tensor_backend(torch.device("cuda:0"), torch.device("cuda:1")) == "gloo"
 
 
 def test_sharded_training_is_recognised_for_fsdp_and_zero3_only():

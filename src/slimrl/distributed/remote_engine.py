@@ -9,14 +9,17 @@ training (trainers/async_rollouts.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slimrl.distributed.rollout_server import recv_adapter_into, send_adapter, serve
-from slimrl.distributed.transport import Channel, trainer_store, wait_for_engine
+from slimrl.distributed.transport import Channel, tensor_backend, trainer_store, wait_for_engine
 
 
-def check_generation_device(device: str, model) -> torch.device:
-    """The rollout device as a torch.device, or an error naming the fix."""
+def check_generation_device(device: str, model, num_processes: int = 1, sharded: bool = False) -> torch.device:
+    """The rollout device as a torch.device, or an error naming the fix: it must exist, the model must carry a LoRA
+    adapter (the only tensors sent after each step), and there is one training process, unsharded."""
     try:
         parsed = torch.device(device)
     except RuntimeError as error:
@@ -31,12 +34,18 @@ def check_generation_device(device: str, model) -> torch.device:
                              "training GPU.")  # fmt: skip
     elif parsed.type != "cpu":
         raise ValueError(f"generation_device={device!r}: the rollout process runs on 'cuda:N' or 'cpu'.")
-    from slimrl.models import quantization
-
-    if quantization.is_quantized_model(model):
-        raise ValueError("generation_device with a 4-bit or 8-bit base is not supported yet: the engine process "
-                         "rebuilds the model from its bf16/fp32 tensors. Leave generation_device unset (the engine "
-                         "then runs beside training on the same GPU), or train a bf16 base.")  # fmt: skip
+    if not hasattr(model, "peft_config") or not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"generation_device={device!r} sends the engine process only the LoRA adapter after each "
+                         "optimizer step, and this model has none: add one (FastLanguageModel.get_peft_model, or "
+                         "peft_config=LoraConfig(...)), or leave generation_device unset to generate over the full "
+                         "weights in the training process.")  # fmt: skip
+    if num_processes > 1 or sharded:
+        shards = " with sharded weights" if sharded else ""
+        raise ValueError(f"generation_device={device!r} pairs one training process with one engine process, and "
+                         f"this run has {num_processes} training process(es){shards}. "
+                         "Launch one process (examples/accelerate/rollout_device.yaml), or leave generation_device "
+                         "unset: then every rank generates with its own engine over its weights (ddp.yaml, "
+                         "fsdp2.yaml, zero3.yaml).")  # fmt: skip
     return parsed
 
 
@@ -55,6 +64,7 @@ class RemoteRolloutEngine:
         self.process.start()
         wait_for_engine(store, self.process)
         self.channel = Channel(store, rank=0)
+        self.trainer_device = next(model.parameters()).device
         self._send_model(model, max_seq_len, engine_options)
         self.synced_version = None  # the trainer's optimizer step whose adapter the engine holds
         self.sync_bytes: list[int] = []  # bytes of each adapter sync, in order
@@ -63,15 +73,22 @@ class RemoteRolloutEngine:
         self.last_stats: dict = {}
 
     def _send_model(self, model, max_seq_len, engine_options) -> None:
-        state = model.state_dict()
-        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        from slimrl.models.quantization import is_quantized_model
+
+        state = model.state_dict()  # a bitsandbytes base: its packed weights and quantisation constants
+        base = model.get_base_model()
+        quantization = base.config.quantization_config if is_quantized_model(base) else None
         self.channel.send_object({
-            "device": str(self.device), "config": config, "dtype": next(iter(state.values())).dtype,
+            "device": str(self.device), "config": base.config, "dtype": base.dtype, "model_class": type(base),
+            "quantization": quantization.to_dict() if quantization is not None else None,
             "peft_config": model.peft_config[model.active_adapter], "adapter_names": self.adapter_names,
             "generation_config": getattr(model, "generation_config", None),
             "state": {name: (tuple(t.shape), t.dtype) for name, t in state.items()},
             "max_seq_len": max_seq_len, "engine_options": engine_options,
+            "tensor_backend": tensor_backend(self.trainer_device, self.device),
         })  # fmt: skip
+        if tensor_backend(self.trainer_device, self.device) == "nccl":
+            self.channel.use_nccl(self.trainer_device)
         for tensor in state.values():  # in state_dict order, which the engine process's copy shares
             self.channel.send_tensor(tensor)
 
@@ -88,6 +105,8 @@ class RemoteRolloutEngine:
         if self.pending is not None:
             raise RuntimeError("a rollout request is already in flight; collect it first")
         prompts = [list(map(int, p)) for p in prompts]
+        if params.seed is None:  # drawn here, from the trainer's seeded generator: the run reproduces
+            params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (1,)).item()))
         self.channel.send_object({"op": "generate", "prompts": prompts, "params": params,
                                   "max_new_tokens": max_new_tokens})  # fmt: skip
         self.pending, self._pending_version = prompts, self.synced_version
@@ -117,6 +136,13 @@ class RemoteRolloutEngine:
         recv_adapter_into(self.channel, self.channel.recv_object(), held)
         return held
 
+    def engine_facts(self) -> dict:
+        """What the engine process holds: {"quantized": its base is 4/8-bit, "state_bytes": its model's state}."""
+        if self.pending is not None:
+            raise RuntimeError("a rollout request is in flight; collect it first")
+        self.channel.send_object({"op": "describe"})
+        return self.channel.recv_object()
+
     def close(self) -> None:
         if self.process.is_alive():
             if self.pending is not None:
@@ -125,5 +151,6 @@ class RemoteRolloutEngine:
             self.process.join(timeout=60)
 
     def describe(self) -> dict:
-        return {"device": str(self.device), "process": self.process.pid, "model_bytes": self.model_bytes,
+        return {"device": str(self.device), "process": self.process.pid, "transport": self.channel.backend,
+                "model_bytes": self.model_bytes,
                 "sync_bytes": self.sync_bytes[-1] if self.sync_bytes else 0, "syncs": len(self.sync_bytes)}  # fmt: skip

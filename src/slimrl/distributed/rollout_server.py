@@ -2,15 +2,20 @@
 
 `serve(host, port)` is the process's entry point (the trainer starts it with torch.multiprocessing's spawn). It joins
 the trainer's channel (transport.py), receives the model's description and every tensor of its state once, builds
-the same peft model on its device with slimrl's RolloutEngine over it, and then answers messages until "stop":
+the same peft model on its device with slimrl's RolloutEngine over it, and then answers messages until "stop".
+A 4-bit or 8-bit base travels as bitsandbytes serialises it (packed weights and quantisation constants) and is loaded
+back pre-quantised, so the engine's base is the trainer's bit for bit and as small on its device. Messages:
   {"op": "adapter", "groups": [(dtype, numel), ...]}  then one flat tensor per group: the trainable tensors, in the
                                                       order of `spec["adapter_names"]`, copied in place
   {"op": "generate", "prompts", "params", "max_new_tokens"}  -> the engine's RolloutOutput
   {"op": "dump"}                                      -> the adapter as held, sent as the trainer sends it
+  {"op": "describe"}                                  -> {"quantized", "state_bytes"} of the engine's model
   {"op": "stop"}
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -32,7 +37,7 @@ def send_adapter(channel: Channel, tensors: list[torch.Tensor]) -> int:
                                                      for dtype, idx in groups]})  # fmt: skip
     sent = 0
     for _, idx in groups:
-        flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in idx])
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])  # the channel moves it (host or GPU)
         channel.send_tensor(flat)
         sent += flat.numel() * flat.element_size()
     return sent
@@ -53,11 +58,22 @@ def recv_adapter_into(channel: Channel, message: dict, tensors: list[torch.Tenso
 
 
 def build_model(spec: dict, channel: Channel):
-    """The trainer's model rebuilt from its config and peft config, its state received tensor by tensor."""
+    """The trainer's model rebuilt from its config and peft config, its state received tensor by tensor (in the
+    order of `spec["state"]`, which is the trainer's state_dict order)."""
+    device = torch.device(spec["device"])
+    if spec.get("quantization") is not None:
+        model = build_quantized_model(spec, channel, device)
+    else:
+        model = build_full_precision_model(spec, channel, device)
+    if spec.get("generation_config") is not None:
+        model.generation_config = spec["generation_config"]
+    return model.eval()
+
+
+def build_full_precision_model(spec: dict, channel: Channel, device: torch.device):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(spec["device"])
     with torch.device(device):  # built where it runs; every weight is then overwritten by the trainer's
         base = AutoModelForCausalLM.from_config(spec["config"], dtype=spec["dtype"])
     model = get_peft_model(base, spec["peft_config"])
@@ -65,9 +81,49 @@ def build_model(spec: dict, channel: Channel):
         for name, tensor in model.state_dict(keep_vars=True).items():
             shape, dtype = spec["state"][name]
             tensor.copy_(channel.recv_tensor(shape, dtype))
-    if spec.get("generation_config") is not None:
-        model.generation_config = spec["generation_config"]
-    return model.to(device).eval()
+    return model.to(device)
+
+
+# peft's names for what LoRA adds to a module (everything else of a wrapped module is its base layer's)
+ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.",
+                 ".modules_to_save.")  # fmt: skip
+
+
+def split_peft_state(state: dict) -> tuple[dict, dict]:
+    """A peft model's state as (the base model's state under the base's own names, the adapter's state)."""
+    base, adapter = {}, {}
+    for name, tensor in state.items():
+        if any(part in name for part in ADAPTER_PARTS):
+            adapter[name] = tensor
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        base[plain] = tensor
+    return base, adapter
+
+
+def build_quantized_model(spec: dict, channel: Channel, device: torch.device):
+    """The bitsandbytes base loaded pre-quantised from the trainer's serialised state (transformers' own loader for
+    a pre-quantised checkpoint, here from memory), then the same LoRA over it with the trainer's adapter."""
+    from peft import get_peft_model
+
+    state = {name: channel.recv_tensor(shape, dtype) for name, (shape, dtype) in spec["state"].items()}
+    base_state, adapter_state = split_peft_state(state)
+    config = copy.deepcopy(spec["config"])
+    config.quantization_config = spec["quantization"]  # a dict, as a pre-quantised checkpoint's config carries it
+    base = spec["model_class"].from_pretrained(None, config=config, state_dict=base_state, dtype=spec["dtype"],
+                                               device_map={"": device})  # fmt: skip
+    model = get_peft_model(base, spec["peft_config"])
+    rebuilt = model.state_dict(keep_vars=True)
+    if set(rebuilt) != set(state):
+        raise RuntimeError("the rollout device rebuilt a model whose state differs from the trainer's: missing "
+                           f"{sorted(set(state) - set(rebuilt))[:5]}, extra {sorted(set(rebuilt) - set(state))[:5]}")
+    for name, tensor in adapter_state.items():  # in the trainer's dtype (peft may have made them fp32)
+        rebuilt[name].data = tensor.to(rebuilt[name].device)
+    return model
+
+
+def state_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def serve(host: str, port: int) -> None:
@@ -79,6 +135,8 @@ def serve(host: str, port: int) -> None:
     spec = channel.recv_object()
     if spec["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(spec["device"]))
+        if spec.get("tensor_backend") == "nccl":  # the trainer is on another GPU: tensors come GPU to GPU
+            channel.use_nccl(torch.device(spec["device"]))
     else:  # on the CPU the trainer computes at the same time: half the cores each, not both spinning on all of them
         torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     model = build_model(spec, channel)
@@ -91,11 +149,17 @@ def serve(host: str, port: int) -> None:
         if op == "adapter":
             recv_adapter_into(channel, message, adapter)
         elif op == "generate":
+            if message["params"].sampler == "multinomial":  # it draws on torch's generator: seeded by the trainer
+                torch.manual_seed(message["params"].seed)
             output = engine.generate(message["prompts"], message["params"], max_new_tokens=message["max_new_tokens"])
             engine.release()
             channel.send_object(output)
         elif op == "dump":
             send_adapter(channel, adapter)
+        elif op == "describe":
+            from slimrl.models.quantization import is_quantized_model
+
+            channel.send_object({"quantized": is_quantized_model(model), "state_bytes": state_bytes(model)})
         elif op == "stop":
             return
         else:

@@ -62,6 +62,8 @@ class AsyncRolloutMixin:
             self._submit_rollout(current[0][0])  # the first step: nothing was generated ahead of it
         if engine.pending is not None:  # collected before anything else is sent (transport.py's rule)
             self._rollout_ahead = (engine.pending, engine.collect())
+        if self.state.global_step + 1 >= self.state.max_steps:  # the last step: nothing to generate ahead for
+            return current
         upcoming = super().get_batch_samples(epoch_iterator, num_batches, device)
         if upcoming[0]:
             self._batches_ahead = (epoch_iterator, upcoming)

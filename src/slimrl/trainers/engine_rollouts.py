@@ -41,7 +41,8 @@ class EngineRolloutMixin:
         if device is not None:  # the engine in its own process: checked now, started at the first rollout
             from slimrl.distributed.remote_engine import check_generation_device
 
-            check_generation_device(device, self.accelerator.unwrap_model(self.model))
+            check_generation_device(device, self.accelerator.unwrap_model(self.model), self.accelerator.num_processes,
+                                    sharded_training(self.accelerator))  # fmt: skip
         requested = "engine" if device is not None else self.args.generation_backend
         self._generation_backend, reason = choose_backend(
             requested,
