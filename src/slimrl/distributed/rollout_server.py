@@ -3,8 +3,9 @@
 `serve(host, port)` is the process's entry point (the trainer starts it with torch.multiprocessing's spawn). It joins
 the trainer's channel (transport.py), receives the model's description and every tensor of its state once, builds
 the same peft model on its device with slimrl's RolloutEngine over it, and then answers messages until "stop".
-A 4-bit or 8-bit base travels as bitsandbytes serialises it (packed weights and quantisation constants) and is loaded
-back pre-quantised, so the engine's base is the trainer's bit for bit and as small on its device. Messages:
+The base is loaded from the received state by transformers' loader, as the trainer's was; a 4-bit or 8-bit base travels
+as bitsandbytes serialises it (packed weights and quantisation constants) and is loaded back pre-quantised, so the
+engine's base is the trainer's bit for bit and as small on its device. Messages:
   {"op": "adapter", "groups": [(dtype, numel), ...]}  then one flat tensor per group: the trainable tensors, in the
                                                       order of `spec["adapter_names"]`, copied in place
   {"op": "generate", "prompts", "params", "max_new_tokens"}  -> the engine's RolloutOutput
@@ -58,30 +59,30 @@ def recv_adapter_into(channel: Channel, message: dict, tensors: list[torch.Tenso
 
 
 def build_model(spec: dict, channel: Channel):
-    """The trainer's model rebuilt from its config and peft config, its state received tensor by tensor (in the
-    order of `spec["state"]`, which is the trainer's state_dict order)."""
+    """The trainer's model rebuilt in this process: its state received tensor by tensor (in the trainer's
+    state_dict order, as `spec["state"]` lists it), the base loaded from it by transformers' own loader (pre-quantised
+    for a bitsandbytes base, whose config carries its quantisation), the same LoRA over it with the trainer's adapter
+    tensors in the trainer's dtypes. Built as the trainer's was, so the two compute the same numbers."""
+    from peft import get_peft_model
+
     device = torch.device(spec["device"])
+    state = {name: channel.recv_tensor(shape, dtype) for name, (shape, dtype) in spec["state"].items()}
+    base_state, adapter_state = split_peft_state(state)
+    config = copy.deepcopy(spec["config"])
     if spec.get("quantization") is not None:
-        model = build_quantized_model(spec, channel, device)
-    else:
-        model = build_full_precision_model(spec, channel, device)
+        config.quantization_config = spec["quantization"]  # a dict, as a pre-quantised checkpoint's config has it
+    base = spec["model_class"].from_pretrained(None, config=config, state_dict=base_state, dtype=spec["dtype"],
+                                               device_map={"": device})  # fmt: skip
+    model = get_peft_model(base, spec["peft_config"])
+    rebuilt = model.state_dict(keep_vars=True)
+    if set(rebuilt) != set(state):
+        raise RuntimeError("the rollout device rebuilt a model whose state differs from the trainer's: missing "
+                           f"{sorted(set(state) - set(rebuilt))[:5]}, extra {sorted(set(rebuilt) - set(state))[:5]}")
+    for name, tensor in adapter_state.items():  # in the trainer's dtype (peft may have made them fp32)
+        rebuilt[name].data = tensor.to(rebuilt[name].device)
     if spec.get("generation_config") is not None:
         model.generation_config = spec["generation_config"]
     return model.eval()
-
-
-def build_full_precision_model(spec: dict, channel: Channel, device: torch.device):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device):  # built where it runs; every weight is then overwritten by the trainer's
-        base = AutoModelForCausalLM.from_config(spec["config"], dtype=spec["dtype"])
-    model = get_peft_model(base, spec["peft_config"])
-    with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            shape, dtype = spec["state"][name]
-            tensor.copy_(channel.recv_tensor(shape, dtype))
-    return model.to(device)
 
 
 # peft's names for what LoRA adds to a module (everything else of a wrapped module is its base layer's)
@@ -99,27 +100,6 @@ def split_peft_state(state: dict) -> tuple[dict, dict]:
         plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
         base[plain] = tensor
     return base, adapter
-
-
-def build_quantized_model(spec: dict, channel: Channel, device: torch.device):
-    """The bitsandbytes base loaded pre-quantised from the trainer's serialised state (transformers' own loader for
-    a pre-quantised checkpoint, here from memory), then the same LoRA over it with the trainer's adapter."""
-    from peft import get_peft_model
-
-    state = {name: channel.recv_tensor(shape, dtype) for name, (shape, dtype) in spec["state"].items()}
-    base_state, adapter_state = split_peft_state(state)
-    config = copy.deepcopy(spec["config"])
-    config.quantization_config = spec["quantization"]  # a dict, as a pre-quantised checkpoint's config carries it
-    base = spec["model_class"].from_pretrained(None, config=config, state_dict=base_state, dtype=spec["dtype"],
-                                               device_map={"": device})  # fmt: skip
-    model = get_peft_model(base, spec["peft_config"])
-    rebuilt = model.state_dict(keep_vars=True)
-    if set(rebuilt) != set(state):
-        raise RuntimeError("the rollout device rebuilt a model whose state differs from the trainer's: missing "
-                           f"{sorted(set(state) - set(rebuilt))[:5]}, extra {sorted(set(rebuilt) - set(state))[:5]}")
-    for name, tensor in adapter_state.items():  # in the trainer's dtype (peft may have made them fp32)
-        rebuilt[name].data = tensor.to(rebuilt[name].device)
-    return model
 
 
 def state_bytes(model) -> int:
