@@ -212,6 +212,27 @@ def test_bad_rollout_device_settings_are_refused_before_training(config, message
         build_trainer("slimrl", reward_funcs=length_reward, **config)
 
 
+def test_rloo_trains_with_a_rollout_device_and_refuses_stale_rollouts():
+    """RLOO shares the rollout-device path; async_generation is refused there (TRL's RLOO has no importance-sampling
+    correction for stale log-probs)."""
+    from tests.trainers import rloo_harness
+
+    settings = dict(reward_funcs=length_reward, generation_device="cpu", max_steps=2, logging_steps=1,
+                    max_completion_length=6, learning_rate=0.05, seed=5)  # fmt: skip
+    with pytest.raises(ValueError, match="importance sampling.*RLOOTrainer does not"):
+        rloo_harness.build_trainer("slimrl", async_generation=True, **settings)
+    trainer = rloo_harness.build_trainer("slimrl", **settings)
+    try:
+        trainer.train()
+        engine = trainer.rollout_engine
+        adapter_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        assert engine.sync_bytes == [adapter_bytes] * 2
+        engine.sync(trainer.state.global_step)
+        assert all(torch.equal(a, b) for a, b in zip(engine.adapter_held(), adapter_of(trainer), strict=True))
+    finally:
+        trainer.rollout_engine.close()
+
+
 def test_a_model_without_an_adapter_or_with_several_training_processes_is_refused():
     from slimrl.distributed.remote_engine import check_generation_device
 

@@ -81,7 +81,8 @@ class RemoteRolloutEngine:
         self.channel.send_object({
             "device": str(self.device), "config": base.config, "dtype": base.dtype, "model_class": type(base),
             "quantization": quantization.to_dict() if quantization is not None else None,
-            "peft_config": model.peft_config[model.active_adapter], "adapter_names": self.adapter_names,
+            "peft_configs": dict(model.peft_config), "active_adapter": model.active_adapter,
+            "adapter_names": self.adapter_names,
             "generation_config": getattr(model, "generation_config", None),
             "state": {name: (tuple(t.shape), t.dtype) for name, t in state.items()},
             "max_seq_len": max_seq_len, "engine_options": engine_options,

@@ -73,7 +73,12 @@ def build_model(spec: dict, channel: Channel):
         config.quantization_config = spec["quantization"]  # a dict, as a pre-quantised checkpoint's config has it
     base = spec["model_class"].from_pretrained(None, config=config, state_dict=base_state, dtype=spec["dtype"],
                                                device_map={"": device})  # fmt: skip
-    model = get_peft_model(base, spec["peft_config"])
+    active = spec["active_adapter"]  # and every other adapter the trainer's model carries (TRL's "ref" one)
+    model = get_peft_model(base, spec["peft_configs"][active], adapter_name=active)
+    for name, adapter_config in spec["peft_configs"].items():
+        if name != active:
+            model.add_adapter(name, adapter_config)
+    model.set_adapter(active)
     rebuilt = model.state_dict(keep_vars=True)
     if set(rebuilt) != set(state):
         raise RuntimeError("the rollout device rebuilt a model whose state differs from the trainer's: missing "

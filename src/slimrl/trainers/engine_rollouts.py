@@ -36,8 +36,9 @@ class EngineRolloutMixin:
         self._rollout_engine = None
         device = getattr(self.args, "generation_device", None)
         if getattr(self.args, "async_generation", False) and not hasattr(self, "_check_async_generation"):
-            raise ValueError(f"async_generation=True is implemented for GRPO, not for {type(self).__name__}; turn "
-                             "it off (generation_device alone works here).")  # fmt: skip
+            raise ValueError(f"async_generation=True trains on rollouts one step stale, corrected by TRL's "
+                             f"importance sampling, which TRL's GRPO has and {type(self).__name__} does not; turn it "
+                             "off (generation_device alone works here).")  # fmt: skip
         if device is not None:  # the engine in its own process: checked now, started at the first rollout
             from slimrl.distributed.remote_engine import check_generation_device
 
