@@ -64,7 +64,6 @@ class RemoteRolloutEngine:
         self.process.start()
         wait_for_engine(store, self.process)
         self.channel = Channel(store, rank=0)
-        self.trainer_device = next(model.parameters()).device
         self._send_model(model, max_seq_len, engine_options)
         self.synced_version = None  # the trainer's optimizer step whose adapter the engine holds
         self.sync_bytes: list[int] = []  # bytes of each adapter sync, in order
@@ -77,6 +76,8 @@ class RemoteRolloutEngine:
 
         state = model.state_dict()  # a bitsandbytes base: its packed weights and quantisation constants
         base = model.get_base_model()
+        trainer_device = next(model.parameters()).device
+        backend = tensor_backend(trainer_device, self.device)
         quantization = base.config.quantization_config if is_quantized_model(base) else None
         self.channel.send_object({
             "device": str(self.device), "config": base.config, "dtype": base.dtype, "model_class": type(base),
@@ -86,10 +87,10 @@ class RemoteRolloutEngine:
             "generation_config": getattr(model, "generation_config", None),
             "state": {name: (tuple(t.shape), t.dtype) for name, t in state.items()},
             "max_seq_len": max_seq_len, "engine_options": engine_options,
-            "tensor_backend": tensor_backend(self.trainer_device, self.device),
+            "tensor_backend": backend,
         })  # fmt: skip
-        if tensor_backend(self.trainer_device, self.device) == "nccl":
-            self.channel.use_nccl(self.trainer_device)
+        if backend == "nccl":  # both ends switch at this point of the conversation
+            self.channel.use_nccl(trainer_device)
         for tensor in state.values():  # in state_dict order, which the engine process's copy shares
             self.channel.send_tensor(tensor)
 
