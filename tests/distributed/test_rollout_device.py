@@ -233,6 +233,25 @@ def test_rloo_trains_with_a_rollout_device_and_refuses_stale_rollouts():
         trainer.rollout_engine.close()
 
 
+def test_an_engine_error_is_raised_in_the_trainer_and_an_engine_death_is_named():
+    from slimrl.distributed.remote_engine import RemoteRolloutEngine
+    from tests.trainers.grpo_harness import lora_tiny_model
+
+    engine = RemoteRolloutEngine(lora_tiny_model().eval(), "cpu", 64)
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        with pytest.raises(RuntimeError, match="engine raised while generating(.|\n)*outside \\[0, "):
+            engine.generate([[5, 6, 10**6]], greedy, max_new_tokens=4)  # a token id past the vocabulary
+        assert engine.pending is None
+        assert len(engine.generate([[5, 6, 7]], greedy, max_new_tokens=4).completion_ids[0]) == 4  # still serving
+        engine.process.kill()
+        died = r"engine process on cpu exited \(code -9\) while receiving a rollout request"
+        with pytest.raises(RuntimeError, match=died):
+            engine.generate([[5, 6, 7]], greedy, max_new_tokens=4)
+    finally:
+        engine.close()
+
+
 def test_a_model_without_an_adapter_or_with_several_training_processes_is_refused():
     from slimrl.distributed.remote_engine import check_generation_device
 

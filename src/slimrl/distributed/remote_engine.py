@@ -9,6 +9,7 @@ training (trainers/async_rollouts.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -94,11 +95,26 @@ class RemoteRolloutEngine:
         for tensor in state.values():  # in state_dict order, which the engine process's copy shares
             self.channel.send_tensor(tensor)
 
+    @contextlib.contextmanager
+    def _talking(self, what: str):
+        """A channel error while the engine process is dead is reported as its death, with what was under way."""
+        try:
+            yield
+        except RuntimeError as error:
+            self.process.join(timeout=5)  # a peer's closed socket can be seen a moment before its exit
+            if self.process.is_alive():
+                raise
+            raise RuntimeError(f"The rollout device's engine process on {self.device} exited (code "
+                               f"{self.process.exitcode}) while {what}; its traceback, if it raised, is printed "
+                               "above. Fix what it names (an out-of-memory: fewer rows per rollout or a smaller "
+                               "max_seq_length), or train without generation_device.") from error  # fmt: skip
+
     def sync(self, version) -> int:
         """Send the adapter unless the engine already holds `version`'s; returns the bytes sent."""
         if version == self.synced_version:
             return 0
-        sent = send_adapter(self.channel, self._adapter)
+        with self._talking("receiving the adapter"):
+            sent = send_adapter(self.channel, self._adapter)
         self.synced_version = version
         self.sync_bytes.append(sent)
         return sent
@@ -109,8 +125,9 @@ class RemoteRolloutEngine:
         prompts = [list(map(int, p)) for p in prompts]
         if params.seed is None:  # drawn here, from the trainer's seeded generator: the run reproduces
             params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (1,)).item()))
-        self.channel.send_object({"op": "generate", "prompts": prompts, "params": params,
-                                  "max_new_tokens": max_new_tokens})  # fmt: skip
+        with self._talking("receiving a rollout request"):
+            self.channel.send_object({"op": "generate", "prompts": prompts, "params": params,
+                                      "max_new_tokens": max_new_tokens})  # fmt: skip
         self.pending, self._pending_version = prompts, self.synced_version
 
     def collect(self):
@@ -118,9 +135,12 @@ class RemoteRolloutEngine:
         adapter version generated it (`adapter_version`, the trainer's optimizer step at the last sync)."""
         if self.pending is None:
             raise RuntimeError("no rollout request in flight")
-        output = self.channel.recv_object()
-        output.stats["adapter_version"] = self._pending_version
+        with self._talking("generating a rollout"):
+            output = self.channel.recv_object()
         self.pending = None
+        if isinstance(output, dict) and "engine_error" in output:
+            raise RuntimeError(f"The rollout device's engine raised while generating:\n{output['engine_error']}")
+        output.stats["adapter_version"] = self._pending_version
         self.last_stats = output.stats
         return output
 

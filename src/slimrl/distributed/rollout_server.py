@@ -8,7 +8,8 @@ as bitsandbytes serialises it (packed weights and quantisation constants) and is
 engine's base is the trainer's bit for bit and as small on its device. Messages:
   {"op": "adapter", "groups": [(dtype, numel), ...]}  then one flat tensor per group: the trainable tensors, in the
                                                       order of `spec["adapter_names"]`, copied in place
-  {"op": "generate", "prompts", "params", "max_new_tokens"}  -> the engine's RolloutOutput
+  {"op": "generate", "prompts", "params", "max_new_tokens"}  -> the engine's RolloutOutput, or {"engine_error":
+                                                      its traceback} when generate raised (an out-of-memory too)
   {"op": "dump"}                                      -> the adapter as held, sent as the trainer sends it
   {"op": "describe"}                                  -> {"quantized", "state_bytes"} of the engine's model
   {"op": "stop"}
@@ -17,6 +18,7 @@ engine's base is the trainer's bit for bit and as small on its device. Messages:
 from __future__ import annotations
 
 import copy
+import traceback
 
 import torch
 
@@ -136,9 +138,12 @@ def serve(host: str, port: int) -> None:
         elif op == "generate":
             if message["params"].sampler == "multinomial":  # it draws on torch's generator: seeded by the trainer
                 torch.manual_seed(message["params"].seed)
-            output = engine.generate(message["prompts"], message["params"], max_new_tokens=message["max_new_tokens"])
+            try:
+                reply = engine.generate(message["prompts"], message["params"], max_new_tokens=message["max_new_tokens"])
+            except Exception:  # noqa: BLE001 - the trainer raises it, with this traceback; the engine stays up
+                reply = {"engine_error": traceback.format_exc()}
             engine.release()
-            channel.send_object(output)
+            channel.send_object(reply)
         elif op == "dump":
             send_adapter(channel, adapter)
         elif op == "describe":
