@@ -83,6 +83,7 @@ def prompt_ids(tokenizer, tiny: bool) -> list[list[int]]:
 
 def check_base(args, base: str) -> dict:
     from slimrl.distributed.remote_engine import RemoteRolloutEngine
+    from slimrl.distributed.rollout_server import state_bytes
     from slimrl.rollout.engine import RolloutEngine, SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="slimrl-check-") as staging:
@@ -105,7 +106,7 @@ def check_base(args, base: str) -> dict:
     return {
         "engine_quantized": facts["quantized"],
         "engine_state_bytes": facts["state_bytes"],
-        "trainer_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+        "trainer_state_bytes": state_bytes(model),  # as the engine process counts its own
         "bytes_sent_once": described["model_bytes"],
         "transport": described["transport"],
         "engine_start_s": round(start_s, 2),
