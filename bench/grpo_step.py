@@ -100,6 +100,7 @@ SIDES = {  # JSON key -> (whose trainer, which algorithm)
 RUNS = {"grpo": ("slimrl", "trl"), "rloo": ("slimrl_rloo", "trl_rloo"), "ppo": ("slimrl_ppo", "slimrl_grpo")}
 # A gradient-free pass timed on its own, inside the training phase: algorithm -> (module, function, step field)
 SCORING_PASSES = {"ppo": ("slimrl.trainers.value_model", "score_rollout", "scoring_pass_s")}
+GROUP = 8  # completions per prompt (GRPO and RLOO); W3's batch is one group
 PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
 SUMMARY_KEYS = (*PHASE_KEYS, "peak_GiB", "loss", "reward", "completion_mean_length")
 PPO_SUMMARY_KEYS = ("scoring_pass_s", "policy_loss", "value_loss")
@@ -270,7 +271,7 @@ def trainer_settings(algorithm: str, args, steps: int, output_dir: str, cuda: bo
     if algorithm == "ppo":
         return {**settings, "response_length": args.completion_length, "num_ppo_epochs": 1, "num_mini_batches": 1,
                 "kl_coef": args.beta}  # fmt: skip
-    settings.update(num_generations=8, max_completion_length=args.completion_length, beta=args.beta)
+    settings.update(num_generations=GROUP, max_completion_length=args.completion_length, beta=args.beta)
     return {**settings, "loss_type": "dapo"} if algorithm == "grpo" else settings
 
 
@@ -284,11 +285,12 @@ def trainer_classes(owner: str, algorithm: str) -> tuple[type, type]:
 
 def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, output_dir: str, cuda: bool, **extra):
     """Side `kind`'s trainer (SIDES: whose, which algorithm) on `model`; PPO's value function is a head on it.
-    `extra`: more config settings (bench/scaling.py's rollout-device sides)."""
+    `extra`: more config settings, for both owners (bench/scaling.py's batch size and rollout-device sides)."""
     owner, algorithm = SIDES[kind]
     settings = trainer_settings(algorithm, args, steps, output_dir, cuda)
     if owner == "slimrl":
-        settings.update(num_chunks="auto", generation_backend=args.slimrl_backend, **extra)
+        settings.update(num_chunks="auto", generation_backend=args.slimrl_backend)
+    settings.update(extra)
     trainer_class, config_class = trainer_classes(owner, algorithm)
     return trainer_class(model=model, reward_funcs=data["rewards"], args=config_class(**settings),
                          train_dataset=data["dataset"], processing_class=tokenizer)  # fmt: skip

@@ -27,9 +27,14 @@ trainer's logged rollout/sync_bytes, else 0: the engine decodes with the trainin
         $OUT/scaling_zero3.json --full-finetune
     python bench/scaling.py $OUT/full_plain.json --sides --full-finetune   # only slimrl_full, no launcher
 
-Options: --steps 6, --trl-steps 2, --completion-length 1024, --sides slimrl trl, --full-finetune, --tiny (a 2-layer
-Qwen2 from slimrl.testing, LoRA r=8, 128-token prompts, 32-token completions: a CPU smoke run; torchrun launches it
-too). Only rank 0 writes the JSON, after every step and side, so a run cut short keeps what it measured.
+Options: --steps 6, --trl-steps 2, --completion-length 1024, --sides slimrl trl, --full-finetune (--full-dtype bf16
+or fp32), --prompts-per-step (over all ranks; default one per rank), --generation-backend auto|engine|transformers,
+--tiny (a 2-layer Qwen2 from slimrl.testing, LoRA r=8, 128-token prompts, 32-token completions: a CPU smoke run;
+torchrun launches it too). Only rank 0 writes the JSON, after every step and side, so a run cut short keeps what it
+measured. The same global batch on 1 and 2 GPUs, HF generate (losses and rewards side by side):
+    python bench/scaling.py $OUT/batch_n1.json --sides slimrl --prompts-per-step 2 --generation-backend transformers
+    accelerate launch --config_file examples/accelerate/ddp.yaml --num_processes 2 bench/scaling.py \\
+        $OUT/batch_n2.json --sides slimrl --prompts-per-step 2 --generation-backend transformers
 """
 
 from __future__ import annotations
@@ -87,10 +92,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trl-steps", type=int, default=2, help="TRL's steps")
     parser.add_argument("--completion-length", type=int, default=None, help="default 1024 (32 with --tiny)")
     parser.add_argument("--sides", nargs="*", default=["slimrl", "trl"], choices=SIDE_NAMES,
-                        help="none at all with --full-finetune: only slimrl_full")
+                        help="none at all with --full-finetune: only slimrl_full")  # fmt: skip
     parser.add_argument("--generation-device", default=None, help="rollout-device sides' engine (default cuda:1, "
                         "else cuda:0 with one GPU, else cpu)")  # fmt: skip
     parser.add_argument("--full-finetune", action="store_true", help="add slimrl_full: every weight trained, no LoRA")
+    parser.add_argument("--full-dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="slimrl_full's weights: bf16 (AdamW state in bf16 too), or fp32 under bf16 autocast "
+                        "(fp32 master weights and AdamW state, as FSDP2 and ZeRO-3 keep); not with --tiny",
+                        )  # fmt: skip
+    parser.add_argument("--prompts-per-step", type=int, default=None,
+                        help="prompts per optimizer step over all ranks (default: one per rank), split evenly; each "
+                        "prompt gets 8 completions")  # fmt: skip
+    parser.add_argument("--generation-backend", default="auto", choices=("auto", "engine", "transformers"),
+                        help="slimrl's sides' generation_backend (transformers: HF generate, as TRL)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model from slimrl.testing: a CPU smoke run")
     args = parser.parse_args(argv)
@@ -101,7 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.completion_length = args.completion_length or (32 if args.tiny else 1024)
     args.prompt_tokens = 128 if args.tiny else 256
     args.kinds = [*args.sides, *(["slimrl_full"] if args.full_finetune else [])]
-    args.algorithm, args.real, args.beta, args.slimrl_backend = "grpo", False, 0.0, "auto"  # what grpo_step reads
+    if args.tiny and args.full_dtype != "bf16":
+        parser.error("--full-dtype: --tiny's model is fp32 on the CPU as it is")
+    if args.prompts_per_step is not None and args.prompts_per_step < 1:
+        parser.error("--prompts-per-step must be at least 1")
+    args.algorithm, args.real, args.beta = "grpo", False, 0.0  # what grpo_step reads
+    args.slimrl_backend = args.generation_backend
     return args
 
 
@@ -111,7 +130,8 @@ def build_model(kind: str, args, device: str):
     if kind != "slimrl_full":
         return w3.build_w1_model(args.tiny, device, args.seed, context)
     if not args.tiny:
-        return w1_model(device=device, seed=args.seed, context=context, lora_rank=None)
+        dtype = torch.float32 if args.full_dtype == "fp32" else torch.bfloat16
+        return w1_model(device=device, dtype=dtype, seed=args.seed, context=context, lora_rank=None)
     from slimrl.testing import tiny_model
 
     model = tiny_model("qwen2", seed=args.seed, tie_word_embeddings=True, max_position_embeddings=max(512, context))
@@ -194,9 +214,9 @@ def build_side(kind: str, steps: int, args, data: dict, side: dict, held: dict, 
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     held["model"] = build_model(kind, args, device)
     owner = "trl" if kind == "trl" else "slimrl"  # w3's sides: slimrl's settings are num_chunks auto, backend auto
-    extra = {}
+    extra = {"per_device_train_batch_size": w3.GROUP * args.prompts_per_rank}
     if kind.startswith("slimrl_device"):  # the engine in its own process on the rollout device
-        extra = dict(generation_device=rollout_device(args, cuda), async_generation=kind.endswith("_async"))
+        extra.update(generation_device=rollout_device(args, cuda), async_generation=kind.endswith("_async"))
     trainer = w3.build_trainer(owner, held["model"], data["tokenizer"], data, args, steps, held["dir"], cuda, **extra)
     held["trainer"] = trainer
     side.update(trainer=f"{type(trainer).__module__}.{type(trainer).__name__}", lora=kind != "slimrl_full",
@@ -277,10 +297,14 @@ def run_side(kind: str, args, data: dict, side: dict, report: Report, cuda: bool
 def settings_record(args, data: dict, cuda: bool, world: int) -> dict:
     """W3's settings record (grpo_step.py) for this run's sides, its prompt count per rank and over all ranks."""
     record = w3.settings_record(args, data, cuda)
-    record["prompts_per_step_per_rank"] = record.pop("prompts_per_step")
-    record["prompts_per_step"] = record["prompts_per_step_per_rank"] * world
+    record.pop("prompts_per_step")
+    record["prompts_per_step_per_rank"] = args.prompts_per_rank
+    record["prompts_per_step"] = args.prompts_per_rank * world
+    record["generation_backend"] = args.generation_backend
     record["steps"] = {kind: args.trl_steps if kind == "trl" else args.steps for kind in args.kinds}
     record["full_finetune"] = args.full_finetune
+    if args.full_finetune:
+        record["full_dtype"] = "fp32" if args.tiny else args.full_dtype
     return record
 
 
@@ -309,14 +333,19 @@ def main(argv=None) -> Report:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    prompts = args.prompts_per_step or world
+    if prompts % world:
+        raise SystemExit(f"--prompts-per-step {prompts} does not split evenly over {world} processes: pass a multiple "
+                         f"of {world}")  # fmt: skip
+    args.prompts_per_step, args.prompts_per_rank = prompts, prompts // world
     report = RankReport(args.out, workload="W3 scaling", command=shlex.join(["python", "bench/scaling.py", *argv]),
                         launcher_env={k: v for k, v in os.environ.items() if k.startswith(LAUNCHER_ENV)},
                         tiny=args.tiny, world_size=world, timing=TIMING, sides={})  # fmt: skip
     with report.recording_failure():
         report.update(environment(cuda))
         report["versions"]["accelerate"] = accelerate.__version__
-        scaled = argparse.Namespace(**{**vars(args), "steps": args.steps * world, "trl_steps": args.trl_steps * world})
-        data = w3.build_data(scaled)  # a prompt for each rank's share of each step: no sample is seen twice
+        rows = {"steps": args.steps * prompts, "trl_steps": args.trl_steps * prompts}  # a prompt per step and rank's
+        data = w3.build_data(argparse.Namespace(**{**vars(args), **rows}))  # share: no sample is seen twice
         report["settings"] = settings_record(args, data, cuda, world)
         for kind in args.kinds:
             side = report["sides"][kind] = {}

@@ -72,3 +72,28 @@ def test_two_processes_double_the_prompts_per_step(single, tmp_path):
     assert step["generation_s"] > 0 and step["training_s"] > 0 and step["tokens_per_s"] > 0
     one_rank_at_most = report["settings"]["num_generations"] * report["settings"]["completion_length"]
     assert step["completion_tokens"] > one_rank_at_most  # summed over both ranks (deterministic on the CPU)
+
+
+def test_a_global_batch_of_two_prompts_on_one_process_with_hf_generate(tmp_path):
+    # the 1-GPU half of issue 22's same-global-batch comparison: both prompts of a step on the one rank
+    out = tmp_path / "batch_n1.json"
+    report = run([sys.executable, str(SCRIPT), str(out), "--tiny", "--sides", "slimrl", "--steps", "1",
+                  "--prompts-per-step", "2", "--generation-backend", "transformers"], out)  # fmt: skip
+    assert report["problems"] == []
+    settings, side = report["settings"], report["sides"]["slimrl"]
+    assert settings["prompts_per_step"] == settings["prompts_per_step_per_rank"] == 2
+    assert settings["generation_backend"] == "transformers" and side["generation_backend"] == "transformers"
+    assert side["status"] == "ok" and side["completions_per_step"] == 16 and side["prompts_per_step"] == 2
+    (step,) = side["steps"]
+    assert step["completion_tokens"] > settings["num_generations"] * settings["completion_length"]  # both groups
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import scaling
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="does not split evenly over 2 processes"):
+        scaling.main([str(tmp_path / "x.json"), "--tiny", "--prompts-per-step", "3"])
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--tiny", "--full-finetune", "--full-dtype", "fp32"])

@@ -212,6 +212,21 @@ def test_bad_rollout_device_settings_are_refused_before_training(config, message
         build_trainer("slimrl", reward_funcs=length_reward, **config)
 
 
+@pytest.mark.parametrize("config_name", ["GRPOConfig", "RLOOConfig"])
+def test_with_a_rollout_device_the_trainer_counts_one_training_gpu(config_name, tmp_path):
+    # one process seeing two GPUs: HF counts both (n_gpu 2) and would wrap the model in nn.DataParallel, which TRL's
+    # trainers refuse; the second GPU is the engine's (seen on two H200s, issue 22)
+    import slimrl
+
+    config_class = getattr(slimrl, config_name)
+    with_device = config_class(output_dir=str(tmp_path), generation_device="cpu", use_cpu=True, report_to="none")
+    without = config_class(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for config in (with_device, without):
+        assert config.n_gpu == 0  # the CPU: devices set up as HF does
+        config._n_gpu = 2  # what HF's setup counts with two GPUs visible and no launcher
+    assert with_device.n_gpu == 1 and without.n_gpu == 2
+
+
 def test_rloo_trains_with_a_rollout_device_and_refuses_stale_rollouts():
     """RLOO shares the rollout-device path; async_generation is refused there (TRL's RLOO has no importance-sampling
     correction for stale log-probs)."""

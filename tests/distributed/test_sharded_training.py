@@ -83,19 +83,26 @@ def test_the_gathered_size_counts_global_shapes_in_the_compute_dtype():
     assert engine_fit_problem(model, world_size=2, device=torch.device("cpu"), compute_bytes=None, seq_len=64) is None
 
 
-def test_mlp_tiles_are_off_where_deepspeed_reduces_gradients_in_hooks():
+def test_mlp_tiles_are_off_where_a_hook_reduces_each_gradient_once_per_backward():
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    from slimrl.trainers.chunked_trainer import mlp_tile_tokens_for
+    from slimrl.trainers.chunked_trainer import mlp_tile_tokens_for, tiles_break_gradient_hooks
 
-    def accelerator(kind, stage=None):
-        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
-            zero_stage=stage)))  # fmt: skip
+    def accelerator(kind, stage=None, processes=2):
+        return SimpleNamespace(distributed_type=kind, num_processes=processes, state=SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(zero_stage=stage)))  # fmt: skip
 
     assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 3), 4096) == 0
     assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 2), 4096) == 0
+    assert tiles_break_gradient_hooks(accelerator(DistributedType.DEEPSPEED, 2)) == "DeepSpeed ZeRO-2"
     assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 1), 4096) == 4096
-    assert mlp_tile_tokens_for(accelerator(DistributedType.FSDP), 4096) == 4096
-    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_GPU), 4096) == 4096
+    assert mlp_tile_tokens_for(accelerator(DistributedType.FSDP), 4096) == 4096  # reduce-scatter once per layer
+    # DDP's reducer fires per weight and accumulation: two tiles of one backward raised "marked as ready twice" on
+    # two H200s (issue 22); one process has no reducer
+    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_GPU), 4096) == 0
+    assert tiles_break_gradient_hooks(accelerator(DistributedType.MULTI_GPU)) == "DDP"
+    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_CPU), 4096) == 0
+    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_GPU, processes=1), 4096) == 4096
+    assert mlp_tile_tokens_for(accelerator(DistributedType.NO, processes=1), 4096) == 4096

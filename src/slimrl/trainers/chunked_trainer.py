@@ -38,9 +38,9 @@ class ChunkedTrainerMixin:
 
             tile = mlp_tile_tokens_for(self.accelerator, self.args.mlp_tile_tokens)
             if tile != self.args.mlp_tile_tokens:
-                logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): DeepSpeed ZeRO-2/3 reduces "
-                               "a weight's gradient once per backward pass, and tiles are backpropagated one at a "
-                               "time.")  # fmt: skip
+                logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): %s reduces a weight's "
+                               "gradient once per backward pass, and tiles are backpropagated one at a time.",
+                               tiles_break_gradient_hooks(self.accelerator))  # fmt: skip
             enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), tile)
 
     @property
@@ -130,12 +130,24 @@ class ChunkedTrainerMixin:
 
 
 def mlp_tile_tokens_for(accelerator, requested: int) -> int:
-    """The MLP tile for the offloaded checkpoints' recompute: `requested`, or 0 (untiled) under DeepSpeed ZeRO-2/3,
-    whose gradient hooks reduce and partition each weight's gradient once per backward pass (a second tile's
-    gradient for the same weight in one pass trips its bucket check)."""
+    """The MLP tile for the offloaded checkpoints' recompute: `requested`, or 0 (untiled) where a hook reduces each
+    weight's gradient once per backward pass: DeepSpeed ZeRO-2/3 (a second tile's gradient for the same weight trips
+    its bucket check) and data parallel over several processes (DDP's reducer: "marked as ready twice"). Each tile is
+    backpropagated on its own, so a tiled MLP weight receives its gradient once per tile."""
+    return 0 if tiles_break_gradient_hooks(accelerator) else requested
+
+
+def tiles_break_gradient_hooks(accelerator) -> str | None:
+    """What reduces gradients in per-weight hooks under `accelerator` ("DeepSpeed ZeRO-N", "DDP"), or None."""
     from slimrl.distributed.sharded import zero_stage
 
-    return 0 if (zero_stage(accelerator) or 0) >= 2 else requested
+    stage = zero_stage(accelerator) or 0
+    if stage >= 2:
+        return f"DeepSpeed ZeRO-{stage}"
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind.startswith("MULTI_") and getattr(accelerator, "num_processes", 1) > 1:
+        return "DDP"
+    return None
 
 
-__all__ = ["ChunkStats", "ChunkedTrainerMixin", "mlp_tile_tokens_for"]
+__all__ = ["ChunkStats", "ChunkedTrainerMixin", "mlp_tile_tokens_for", "tiles_break_gradient_hooks"]

@@ -51,6 +51,14 @@ class RolloutFields:
         },
     )
 
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process trains on. With generation_device, one: the other visible GPU is the engine's, and HF's
+        Trainer, counting every visible GPU in a single process, would wrap the model in nn.DataParallel (which TRL's
+        trainers refuse; hiding the second GPU with CUDA_VISIBLE_DEVICES would hide the engine's device too)."""
+        count = super().n_gpu
+        return min(count, 1) if self.generation_device is not None else count
+
     def __post_init__(self):
         check_rollout_fields(self)
         try:
