@@ -26,6 +26,9 @@ trainer's logged rollout/sync_bytes, else 0: the engine decodes with the trainin
     accelerate launch --config_file examples/accelerate/zero3.yaml --num_processes 2 bench/scaling.py \\
         $OUT/scaling_zero3.json --full-finetune
     python bench/scaling.py $OUT/full_plain.json --sides --full-finetune   # only slimrl_full, no launcher
+On a machine with several GPUs, a run without a launcher makes one visible (CUDA_VISIBLE_DEVICES=0 python ...): one
+process seeing several GPUs gets nn.DataParallel from HF's Trainer, which TRL's GRPOTrainer refuses. The
+rollout-device sides need no such thing (with generation_device the trainer counts one training GPU).
 
 Options: --steps 6, --trl-steps 2, --completion-length 1024, --sides slimrl trl, --full-finetune (--full-dtype bf16
 or fp32), --prompts-per-step (over all ranks; default one per rank), --generation-backend auto|engine|transformers,
