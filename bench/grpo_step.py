@@ -543,7 +543,7 @@ def settings_record(args, data: dict, cuda: bool) -> dict:
 
 def algorithm_record(args) -> dict:
     """The batch and loss settings of --algorithm's sides (trainer_settings), as the JSON names them."""
-    group = {"prompts_per_step": 1, "num_generations": 8}
+    group = {"prompts_per_step": 1, "num_generations": GROUP}
     if args.algorithm == "grpo":
         return {**group, "loss_type": "dapo", "beta": args.beta}
     if args.algorithm == "rloo":
