@@ -1,8 +1,9 @@
 """Worker of test_ddp_tiles.py (torch.distributed.run, 2 CPU processes over gloo): one backward of a tiny Qwen2 with
-LoRA under DistributedDataParallel and slimrl's offloaded checkpointing, the MLP recomputed whole (tile 0) and then in
-tiles (tile 4 of 16 tokens). Each rank also backpropagates an unwrapped copy on its own tokens; the mean of those
-gradients over the ranks is what DDP must produce. Rank 0 writes per tile: whether the backward ran, its error, and
-the largest difference from that mean."""
+LoRA under DistributedDataParallel and slimrl's offloaded checkpointing, the MLP recomputed whole (tile 0) and in
+tiles (tile 4 of 16 tokens), with DDP searching the graph for unused parameters (HF Trainer's choice for a PEFT
+model) and without. Each rank also backpropagates an unwrapped copy on its own tokens; the mean of those gradients
+over the ranks is what DDP must produce. Rank 0 writes per case: whether the backward ran, its error, and the largest
+difference from that mean."""
 
 from __future__ import annotations
 
@@ -44,20 +45,32 @@ def main(out: str) -> None:
     state = PartialState(cpu=True)
     ids = torch.randint(10, 200, (1, 16), generator=torch.Generator().manual_seed(state.process_index))
     logs = {}
-    for tile in (0, 4):  # the tiled run last: a reducer that raised is left half-way through its bucket
+    for tile in (0, 4):
         plain = lora_model(tile)
         plain(input_ids=ids, labels=ids).loss.backward()
         expected = lora_grads(plain)
         dist.all_reduce(expected)
         expected /= state.num_processes
-        wrapped = DistributedDataParallel(lora_model(tile))
-        try:
-            wrapped(input_ids=ids, labels=ids).loss.backward()
-        except RuntimeError as error:
-            logs[str(tile)] = {"ran": False, "error": str(error)[:400]}
-            continue
-        difference = (lora_grads(wrapped.module) - expected).abs().max().item()
-        logs[str(tile)] = {"ran": True, "max_abs_difference": difference, "scale": expected.abs().max().item()}
+        for find_unused in (True, False):
+            case = f"tile={tile},find_unused={find_unused}"
+            wrapped = DistributedDataParallel(lora_model(tile), find_unused_parameters=find_unused)
+            try:
+                wrapped(input_ids=ids, labels=ids).loss.backward()
+            except RuntimeError as error:
+                logs[case] = {"ran": False, "error": str(error)[:400]}
+                break  # a reducer that raised is left half-way through its buckets
+            difference = (lora_grads(wrapped.module) - expected).abs().max().item()
+            logs[case] = {"ran": True, "max_abs_difference": difference, "scale": expected.abs().max().item()}
+    # why slimrl refuses ddp_static_graph=True: the chunked step's inner chunks are backpropagated under no_sync, and
+    # DDP's static graph fails on such a pass (slim_fields.check_slim_fields)
+    static = DistributedDataParallel(lora_model(0), static_graph=True)
+    try:
+        with static.no_sync():
+            static(input_ids=ids, labels=ids).loss.backward()
+        static(input_ids=ids, labels=ids).loss.backward()
+        logs["static_graph_after_no_sync"] = {"ran": True}
+    except RuntimeError as error:
+        logs["static_graph_after_no_sync"] = {"ran": False, "error": str(error)[:400]}
     write_logs_and_exit(logs, out)
 
 

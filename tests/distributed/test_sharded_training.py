@@ -83,26 +83,29 @@ def test_the_gathered_size_counts_global_shapes_in_the_compute_dtype():
     assert engine_fit_problem(model, world_size=2, device=torch.device("cpu"), compute_bytes=None, seq_len=64) is None
 
 
-def test_mlp_tiles_are_off_where_a_hook_reduces_each_gradient_once_per_backward():
+def test_offload_settings_follow_who_reduces_the_gradients():
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    from slimrl.trainers.chunked_trainer import mlp_tile_tokens_for, tiles_break_gradient_hooks
+    from slimrl.trainers.chunked_trainer import offload_settings
 
     def accelerator(kind, stage=None, processes=2):
         return SimpleNamespace(distributed_type=kind, num_processes=processes, state=SimpleNamespace(
             deepspeed_plugin=SimpleNamespace(zero_stage=stage)))  # fmt: skip
 
-    assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 3), 4096) == 0
-    assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 2), 4096) == 0
-    assert tiles_break_gradient_hooks(accelerator(DistributedType.DEEPSPEED, 2)) == "DeepSpeed ZeRO-2"
-    assert mlp_tile_tokens_for(accelerator(DistributedType.DEEPSPEED, 1), 4096) == 4096
-    assert mlp_tile_tokens_for(accelerator(DistributedType.FSDP), 4096) == 4096  # reduce-scatter once per layer
-    # DDP's reducer fires per weight and accumulation: two tiles of one backward raised "marked as ready twice" on
-    # two H200s (issue 22); one process has no reducer
-    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_GPU), 4096) == 0
-    assert tiles_break_gradient_hooks(accelerator(DistributedType.MULTI_GPU)) == "DDP"
-    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_CPU), 4096) == 0
-    assert mlp_tile_tokens_for(accelerator(DistributedType.MULTI_GPU, processes=1), 4096) == 4096
-    assert mlp_tile_tokens_for(accelerator(DistributedType.NO, processes=1), 4096) == 4096
+    def settings(*args, **kwargs):
+        chosen = offload_settings(accelerator(*args, **kwargs), 4096)
+        return chosen.mlp_tile_tokens, chosen.weights_in_graph
+
+    # DeepSpeed's hooks run inside the recompute and take a weight's gradient once per backward (ZeRO-2/3)
+    assert settings(DistributedType.DEEPSPEED, 3) == (0, False)
+    assert settings(DistributedType.DEEPSPEED, 2) == (0, False)
+    assert "ZeRO-2" in offload_settings(accelerator(DistributedType.DEEPSPEED, 2), 4096).untiled_because
+    assert settings(DistributedType.DEEPSPEED, 1) == (4096, False)
+    assert settings(DistributedType.FSDP) == (4096, False)  # reduce-scatter once per layer, from the recompute
+    # DDP and one process: the weights' gradients come back through the checkpoint node, once per backward, tiled
+    for kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
+        assert settings(kind) == (4096, True)
+    assert settings(DistributedType.MULTI_GPU, processes=1) == (4096, True)
+    assert offload_settings(accelerator(DistributedType.MULTI_GPU), 0).untiled_because is None

@@ -183,3 +183,62 @@ def test_without_offloading_a_gradient_free_forward_turns_checkpointing_off_as_t
     with gradient_free_forward(model, {"use_reentrant": False}):
         assert not model.is_gradient_checkpointing
     assert model.is_gradient_checkpointing
+
+
+def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors the autograd graph of `loss` accumulates into, found by walking it from the loss as DDP's
+    search for unused parameters does (find_unused_parameters=True, HF Trainer's default for a PEFT model)."""
+    seen, leaves, stack = set(), [], [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+@pytest.mark.parametrize("tile", [0, 5])
+def test_each_trainable_weight_is_in_the_outer_graph_and_gets_one_gradient_per_backward(tile):
+    # DDP's reducer finds the weights a backward will reach by walking the graph from the outputs, and takes each
+    # weight's gradient once per backward pass: the checkpoint must show every weight in that graph and hand autograd
+    # one gradient per weight, however many MLP tiles the recompute ran (the two-GPU crash of issue 29)
+    model = lora_model()
+    reference = loss_and_grads(model)
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=tile)
+    model.zero_grad(set_to_none=True)
+    arrivals = {}  # name -> how many times autograd accumulated a gradient into the weight
+
+    def count(name):
+        return lambda parameter: arrivals.update({name: arrivals.get(name, 0) + 1})
+
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(count(name))
+    torch.manual_seed(0)
+    loss = model(input_ids=IDS, attention_mask=MASK, labels=IDS).loss
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable <= {id(leaf) for leaf in graph_leaves(loss)}
+    loss.backward()
+    assert state.split_recomputes == 2
+    assert arrivals == {name: 1 for name, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert_same(reference, (loss.detach(), grads), f"tile {tile}")
+
+
+def test_without_weights_in_the_graph_the_recompute_accumulates_them_itself():
+    # FSDP and ZeRO-3 (weights_in_graph=False): their hooks run inside the recompute, which accumulates into .grad as
+    # a plain backward does; the gradients are the same, and the weights stay out of the outer graph
+    model = lora_model()
+    reference = loss_and_grads(model)
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5, weights_in_graph=False)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = model(input_ids=IDS, attention_mask=MASK, labels=IDS).loss
+    layer_weights = {id(p) for p in model.get_base_model().model.layers.parameters() if p.requires_grad}
+    assert layer_weights and not layer_weights & {id(leaf) for leaf in graph_leaves(loss)}
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert_same(reference, (loss.detach(), grads), "weights accumulated by the recompute")

@@ -148,6 +148,10 @@ def test_memory_saver_settings_are_validated():
         config(mlp_tile_tokens=-1)
     with pytest.raises(ValueError, match=r"offload_checkpoints=True.*gradient_checkpointing is False"):
         config(offload_checkpoints=True, gradient_checkpointing=False)
+    # DDP's static graph fails on the chunked step's no_sync passes (tests/distributed/test_ddp_tiles.py)
+    with pytest.raises(ValueError, match=r"ddp_static_graph=True cannot be honoured.*Set ddp_static_graph=False"):
+        config(ddp_static_graph=True)
+    assert config(ddp_static_graph=False).ddp_static_graph is False
 
 
 def test_plain_trl_config_gets_slimrl_defaults():

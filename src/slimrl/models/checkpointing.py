@@ -12,6 +12,13 @@ backward. A long sequence's MLP activations ([tokens, intermediate], 4 of them) 
 extra forward is spent on it. The first, gradient-free forward runs the MLP in the same tiles. Other layers (and
 layers with active dropout, whose masks depend on the tiling) are recomputed whole.
 
+The layer's trainable weights are inputs of the checkpoint's autograd node, and its backward *returns* their
+gradients (summed over the MLP tiles) instead of accumulating them from a backward of its own. Autograd then adds each
+weight's gradient into `.grad` once per backward pass, from the outer graph, which is what DDP's reducer relies on:
+its search for unused parameters walks that graph, and it refuses a second gradient for a weight in one pass. Under
+FSDP and DeepSpeed the framework's own hooks run inside the recompute, on the weights it gathered, so
+`weights_in_graph=False` keeps the recompute accumulating into them in place.
+
 It plugs into transformers' own mechanism (`GradientCheckpointingLayer` calls `self._gradient_checkpointing_func`),
 so the model code is untouched. On a CPU the same path runs with plain copies, which is what the tests exercise.
 Each model keeps its own settings, side streams and counters (`OffloadState`, attached by
@@ -62,8 +69,12 @@ class OffloadState:
     stashes. A deep copy of a model gets a fresh state with the same settings.
     """
 
-    def __init__(self, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, min_offload_bytes: int = MIN_OFFLOAD_BYTES):
+    def __init__(self, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, min_offload_bytes: int = MIN_OFFLOAD_BYTES,
+                 weights_in_graph: bool = True):  # fmt: skip
         self.mlp_tile_tokens = mlp_tile_tokens  # MLP tile of the split recompute; 0: the whole sequence at once
+        # True: the layer's trainable weights are inputs of the checkpoint node and their gradients come back through
+        # it (once per backward pass). False: the recompute accumulates into .grad itself (FSDP, ZeRO-3).
+        self.weights_in_graph = weights_in_graph
         # Checkpoints smaller than this stay on the GPU: 28 of them cost under 1 GiB, and their copies would cost more
         # time than they save memory.
         self.min_offload_bytes = min_offload_bytes
@@ -73,10 +84,11 @@ class OffloadState:
         self.last: _Stash | None = None
 
     def __deepcopy__(self, memo) -> OffloadState:
-        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes)
+        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes, self.weights_in_graph)
 
     def checkpoint(self, function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
         """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
+        layer = _layer_of(function)
         if kwargs:
             function = _bind(function, kwargs)
         if not torch.is_tensor(hidden_states):
@@ -86,10 +98,15 @@ class OffloadState:
             # computes, op for op: in bf16 the MLP's tiles and the fused ops round differently from the whole layer
             split = _splittable_layer(function, args)
             return function(hidden_states, *args) if split is None else _split_forward(self, *split, hidden_states)
-        # A grad-requiring anchor makes autograd call backward even when the hidden states do not require grad (a
-        # frozen embedding under LoRA), which is what lets the recomputed layer's LoRA weights receive their gradients.
+        # An unknown layer's weights cannot be named, so its recompute accumulates into them (correct on one process)
+        weights = _trainable_weights(layer) if self.weights_in_graph and layer is not None else None
+        # A grad-requiring anchor makes autograd call backward even when no input of the node requires grad (a frozen
+        # embedding, with the weights accumulated by the recompute rather than passed in), so the weights still get
+        # their gradients.
         anchor = torch.empty(0, device=hidden_states.device, requires_grad=True)
-        return _OffloadedCheckpoint.apply(self, function, preserve_rng_state, hidden_states, anchor, *args)
+        count = -1 if weights is None else len(weights)
+        return _OffloadedCheckpoint.apply(self, function, preserve_rng_state, count, hidden_states, anchor,
+                                          *(weights or ()), *args)  # fmt: skip
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.side:
@@ -141,14 +158,21 @@ def _take(state: OffloadState, stash: _Stash) -> torch.Tensor:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     """forward: run the layer without saving activations and park its input on the host.
-    backward: bring the input back (prefetched), recompute the layer with grad, backpropagate through it."""
+    backward: bring the input back (prefetched), recompute the layer with grad, backpropagate through it, and return
+    the gradients of its input, of its other tensor arguments and of its trainable weights.
+
+    `num_weights` of the inputs after the anchor are the layer's trainable weights (their gradients are returned, so
+    autograd accumulates each once per pass, from this graph); -1: none are passed and the recompute accumulates into
+    whatever weights it reaches (`OffloadState.weights_in_graph` False, or a layer that cannot be named)."""
 
     @staticmethod
-    def forward(ctx, state: OffloadState, function, preserve_rng: bool, hidden_states, grad_anchor, *other_args):
-        ctx.state, ctx.function = state, function
+    def forward(ctx, state: OffloadState, function, preserve_rng: bool, num_weights: int, hidden_states, grad_anchor,
+                *weights_and_args):  # fmt: skip
+        weights, other_args = weights_and_args[: max(num_weights, 0)], weights_and_args[max(num_weights, 0) :]
+        ctx.state, ctx.function, ctx.num_weights = state, function, num_weights
         ctx.autocast = _autocast_state(hidden_states.device)
         # other tensor inputs (position embeddings, masks) are small next to the hidden states: kept as they are
-        ctx.save_for_backward(*[a for a in other_args if torch.is_tensor(a)])
+        ctx.save_for_backward(*weights, *[a for a in other_args if torch.is_tensor(a)])
         ctx.other_args = [None if torch.is_tensor(a) else a for a in other_args]
         stash = _park(state, hidden_states)
         if preserve_rng:
@@ -171,6 +195,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if stash.previous is not None and not stash.previous.consumed:
             _fetch(state, stash.previous)  # overlap the previous layer's copy with this layer's recompute
         saved = iter(ctx.saved_tensors)
+        weights = Weights([next(saved) for _ in range(ctx.num_weights)] if ctx.num_weights >= 0 else None)
         others = []
         for arg in ctx.other_args:
             if arg is None:
@@ -182,28 +207,67 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if stash.rng_state is not None:
                 _set_rng_state(hidden_states.device, stash.rng_state)
             if ctx.split is not None:
-                with torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
-                    _split_backward(state, *ctx.split, hidden_states, output_grads[0])
-                ctx.state = ctx.function = ctx.other_args = ctx.stash = ctx.split = None
-                grad = hidden_states.grad if stash.requires_grad else None
-                return (None, None, None, grad, None) + (None,) * len(others)
-            with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
-                outputs = ctx.function(hidden_states, *others)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=False)
-                 if torch.is_tensor(o) and o.requires_grad and g is not None]  # fmt: skip
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        ctx.state = ctx.function = ctx.other_args = ctx.stash = None
-        other_grads = tuple(o.grad if torch.is_tensor(o) and o.requires_grad else None for o in others)
-        return (None, None, None, hidden_states.grad if stash.requires_grad else None, None, *other_grads)
+                with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
+                    input_grads = [_split_backward(state, *ctx.split, hidden_states, output_grads[0], weights)]
+            else:
+                with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
+                    outputs = ctx.function(hidden_states, *others)
+                outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+                pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=False)
+                         if torch.is_tensor(o) and o.requires_grad and g is not None]  # fmt: skip
+                input_grads = weights.backprop([o for o, _ in pairs], [g for _, g in pairs], [hidden_states, *others])
+        ctx.state = ctx.function = ctx.other_args = ctx.stash = ctx.split = None
+        other_grads = input_grads[1:] + [None] * (len(others) + 1 - len(input_grads))
+        return (None, None, None, None, input_grads[0], None, *weights.grads(), *other_grads)
+
+
+class Weights:
+    """The trainable weights of one recomputed layer and the gradients the recompute found for them.
+
+    `params` None: the weights are not inputs of the checkpoint node; `backprop` then accumulates into every leaf the
+    recompute reaches, as a plain backward does."""
+
+    def __init__(self, params: list[torch.Tensor] | None):
+        self.params = params
+        self.sums: list[torch.Tensor | None] = [None] * len(params or ())
+
+    def backprop(self, outputs: list, grad_outputs: list, inputs: list) -> list[torch.Tensor | None]:
+        """Backpropagate `grad_outputs` through `outputs`; returns the gradients of the recompute's leaf `inputs`
+        (None where one needs none) and adds the weights' gradients to `sums`."""
+        wanted = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
+        if not outputs:
+            return [None] * len(inputs)
+        if self.params is None:
+            torch.autograd.backward(outputs, grad_outputs)
+            return [t.grad if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
+        found = torch.autograd.grad(outputs, wanted + self.params, grad_outputs, allow_unused=True)
+        for index, grad in enumerate(found[len(wanted) :]):
+            if grad is not None:
+                self.sums[index] = grad if self.sums[index] is None else self.sums[index].add_(grad)
+        by_input = iter(found[: len(wanted)])
+        return [next(by_input) if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """What the checkpoint node returns for its weight inputs."""
+        return self.sums
+
+
+def _layer_of(function) -> torch.nn.Module | None:
+    """The module whose forward `function` is, as transformers passes it (`partial(forward, layer, **kwargs)`, or a
+    partial of the layer's bound `__call__` in older versions), else None."""
+    if not isinstance(function, functools.partial):
+        return None
+    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
+    return layer if isinstance(layer, torch.nn.Module) else None
+
+
+def _trainable_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in layer.parameters() if p.requires_grad]
 
 
 def _splittable_layer(function, other_args) -> tuple | None:
     """(layer, kwargs) when `function` is a Llama-family decoder layer's forward that can be recomputed in parts."""
-    if other_args or not isinstance(function, functools.partial):
-        return None
-    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
+    layer = None if other_args else _layer_of(function)
     if type(layer).__name__ not in SPLIT_LAYER_TYPES:
         return None
     if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
@@ -244,23 +308,28 @@ def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
 
 
-def _split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention."""
+def _split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
+                    weights: Weights) -> torch.Tensor | None:  # fmt: skip
+    """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention. Returns the
+    gradient of `x` (None when it needs none); the weights' gradients go to `weights`. Runs under enable_grad."""
     state.split_recomputes += 1
-    # grad mode is off inside a backward: every op whose graph is needed, views included, runs under enable_grad
-    with torch.enable_grad():
-        fused = _use_fused(hidden_states)
-        residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-        mid = residual.detach().requires_grad_(True)
-        flat_mid = mid.view(-1, mid.shape[-1])
-        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
-        for start in range(0, flat_mid.shape[0], tile):
-            out = _mlp_block(layer, flat_mid[start : start + tile], fused)
-            torch.autograd.backward(out, flat_grad[start : start + tile])  # into the LoRA weights and mid.grad
-            del out  # this tile's MLP activations go before the next tile's are made
-    if residual.requires_grad:
-        torch.autograd.backward(residual, grad_output + mid.grad)
+    fused = _use_fused(hidden_states)
+    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
+    flat_mid = residual.detach().view(-1, residual.shape[-1])
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    mid_grad = torch.zeros_like(flat_mid)  # [tokens, hidden]: d loss / d h through the MLP branch
+    tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
+    for start in range(0, flat_mid.shape[0], tile):
+        part = flat_mid[start : start + tile].detach().requires_grad_(True)  # a leaf per tile
+        out = _mlp_block(layer, part, fused)
+        (part_grad,) = weights.backprop([out], [flat_grad[start : start + tile]], [part])
+        if part_grad is not None:
+            mid_grad[start : start + tile] = part_grad
+        del out, part_grad  # this tile's MLP activations go before the next tile's are made
+    if not residual.requires_grad:
+        return None
+    (grad,) = weights.backprop([residual], [grad_output + mid_grad.view_as(grad_output)], [hidden_states])
+    return grad
 
 
 def _bind(function, kwargs):
@@ -299,6 +368,26 @@ def _install(model, state: OffloadState) -> None:
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = state.checkpoint
+            # transformers >= 5.24 wraps the layer class's forward (functools.wraps leaves __wrapped__) and runs it
+            # plain without grad; earlier versions call the checkpoint function then too
+            if type(module).__name__ in SPLIT_LAYER_TYPES and hasattr(type(module).forward, "__wrapped__"):
+                module.forward = types.MethodType(_checkpointed_without_grad, module)
+
+
+def _uninstall(model) -> None:
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), "__func__", None) is _checkpointed_without_grad:
+            del module.forward
+
+
+def _checkpointed_without_grad(layer, *args, **kwargs):
+    """A decoder layer's forward whose gradient-free calls in training mode, with checkpointing on, go through the
+    checkpoint function as calls with grad do: a reference pass or PPO's old log-probs then compute what the training
+    forward computes, MLP tiles and fused ops included (transformers >= 5.24 runs such a call as the plain layer)."""
+    forward = type(layer).forward
+    if torch.is_grad_enabled() or not args or not (layer.training and layer.gradient_checkpointing):
+        return forward(layer, *args, **kwargs)
+    return layer._gradient_checkpointing_func(functools.partial(forward, layer, **kwargs), *args)
 
 
 def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
@@ -311,22 +400,28 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **k
 
 
 def enable_offloaded_checkpointing(
-    model, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, *, min_offload_bytes: int = MIN_OFFLOAD_BYTES
+    model,
+    mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS,
+    *,
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES,
+    weights_in_graph: bool = True,
 ) -> OffloadState:
     """Checkpoint every decoder layer with offloading to host memory; returns the model's `OffloadState`. Survives
     later `gradient_checkpointing_enable` calls (HF Trainer makes one when `gradient_checkpointing=True`): they
     re-install the offloading function. `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute;
-    checkpoints under `min_offload_bytes` stay on the GPU. Calling it again updates the settings."""
+    checkpoints under `min_offload_bytes` stay on the GPU; `weights_in_graph=False` (FSDP, ZeRO-3) lets the recompute
+    accumulate into the weights itself. Calling it again updates the settings."""
     if mlp_tile_tokens < 0:
         raise ValueError(f"mlp_tile_tokens must be >= 0, got {mlp_tile_tokens}")
     base = hf_model(model)
     state = getattr(base, _STATE, None)
     if state is None:
-        state = OffloadState(mlp_tile_tokens, min_offload_bytes)
+        state = OffloadState(mlp_tile_tokens, min_offload_bytes, weights_in_graph)
         base._slimrl_original_gc_enable = base.gradient_checkpointing_enable
         base.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, base)
         setattr(base, _STATE, state)
-    state.mlp_tile_tokens, state.min_offload_bytes = mlp_tile_tokens, min_offload_bytes
+    state.mlp_tile_tokens, state.min_offload_bytes, state.weights_in_graph = (
+        mlp_tile_tokens, min_offload_bytes, weights_in_graph)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return state
 
@@ -336,6 +431,7 @@ def disable_offloaded_checkpointing(model) -> None:
     base = hf_model(model)
     if getattr(base, _STATE, None) is not None:
         delattr(base, _STATE)
+        _uninstall(base)
         base.gradient_checkpointing_enable = base._slimrl_original_gc_enable
         del base._slimrl_original_gc_enable
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

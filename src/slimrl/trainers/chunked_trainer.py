@@ -12,6 +12,7 @@ device)` and runs them with `_run_chunks(model, chunks, chunk_loss)`.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
@@ -25,23 +26,31 @@ class ChunkedTrainerMixin:
     """Chunk planning and the memory savers, for any HF Trainer subclass whose args carry slimrl's fields."""
 
     def _apply_memory_savers(self) -> None:
-        """LoRA inputs not copied where autocast casts them back (exact; models/lora.py), and on CUDA offloaded
-        checkpoints, with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
+        """LoRA inputs not copied where autocast casts them back (exact; models/lora.py), and offloaded checkpoints
+        with the MLP recomputed in tiles (exact; see models/checkpointing.py)."""
         from slimrl.models.lora import skip_input_casts_under_autocast
 
-        skip_input_casts_under_autocast(self.accelerator.unwrap_model(self.model))
-        if self.args.use_cpu or not torch.cuda.is_available():
-            return
-        offload = self.args.offload_checkpoints
-        if offload or (offload is None and self.args.gradient_checkpointing):
-            from slimrl.models.checkpointing import enable_offloaded_checkpointing
+        model = self.accelerator.unwrap_model(self.model)
+        skip_input_casts_under_autocast(model)
+        self._offload_checkpoints([model])
 
-            tile = mlp_tile_tokens_for(self.accelerator, self.args.mlp_tile_tokens)
-            if tile != self.args.mlp_tile_tokens:
-                logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): %s reduces a weight's "
-                               "gradient once per backward pass, and tiles are backpropagated one at a time.",
-                               tiles_break_gradient_hooks(self.accelerator))  # fmt: skip
-            enable_offloaded_checkpointing(self.accelerator.unwrap_model(self.model), tile)
+    def _offload_checkpoints(self, models: list) -> None:
+        """Offloaded checkpoints for `models` where the config asks for them: `offload_checkpoints=True` on any device
+        (a CPU runs the same path with plain copies), unset on CUDA with gradient_checkpointing; the MLP tiles and the
+        way gradients reach the weights as `offload_settings` chooses for the distributed setup."""
+        args = self.args
+        offload = args.offload_checkpoints
+        if offload is None:
+            offload = args.gradient_checkpointing and not args.use_cpu and torch.cuda.is_available()
+        if not offload:
+            return
+        from slimrl.models.checkpointing import enable_offloaded_checkpointing
+
+        settings = offload_settings(self.accelerator, args.mlp_tile_tokens)
+        if settings.mlp_tile_tokens != args.mlp_tile_tokens:
+            logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): %s", settings.untiled_because)
+        for model in models:
+            enable_offloaded_checkpointing(model, settings.mlp_tile_tokens, weights_in_graph=settings.weights_in_graph)
 
     @property
     def last_auto_chunks(self) -> int | None:
@@ -129,25 +138,35 @@ class ChunkedTrainerMixin:
         return 1 if scaled else getattr(self, "current_gradient_accumulation_steps", 1)  # set by train()
 
 
-def mlp_tile_tokens_for(accelerator, requested: int) -> int:
-    """The MLP tile for the offloaded checkpoints' recompute: `requested`, or 0 (untiled) where a hook reduces each
-    weight's gradient once per backward pass: DeepSpeed ZeRO-2/3 (a second tile's gradient for the same weight trips
-    its bucket check) and data parallel over several processes (DDP's reducer: "marked as ready twice"). Each tile is
-    backpropagated on its own, so a tiled MLP weight receives its gradient once per tile."""
-    return 0 if tiles_break_gradient_hooks(accelerator) else requested
+@dataclass(frozen=True)
+class OffloadSettings:
+    mlp_tile_tokens: int  # the MLP tile of the recompute (0: untiled)
+    weights_in_graph: bool  # the checkpoint returns its weights' gradients (see models/checkpointing.py)
+    untiled_because: str | None  # why tiles were turned off, for the log line
 
 
-def tiles_break_gradient_hooks(accelerator) -> str | None:
-    """What reduces gradients in per-weight hooks under `accelerator` ("DeepSpeed ZeRO-N", "DDP"), or None."""
+def offload_settings(accelerator, requested_tile: int) -> OffloadSettings:
+    """How the offloaded checkpoints run under `accelerator`.
+
+    One process and DDP: the weights are inputs of each checkpoint node, so autograd takes one gradient per weight
+    per backward from the outer graph, which DDP's reducer needs (tiles included). FSDP and DeepSpeed: their own
+    hooks run inside the recompute on the weights they gather, so the recompute accumulates into the weights itself;
+    under ZeRO-2/3 a second tile's gradient for the same weight trips DeepSpeed's per-weight bucket check, so the MLP
+    is recomputed untiled there."""
+    from accelerate.utils import DistributedType
+
     from slimrl.distributed.sharded import zero_stage
 
-    stage = zero_stage(accelerator) or 0
-    if stage >= 2:
-        return f"DeepSpeed ZeRO-{stage}"
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind.startswith("MULTI_") and getattr(accelerator, "num_processes", 1) > 1:
-        return "DDP"
-    return None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return OffloadSettings(requested_tile, False, None)
+    stage = zero_stage(accelerator)
+    if stage is None:
+        return OffloadSettings(requested_tile, True, None)
+    if stage >= 2 and requested_tile != 0:
+        reason = f"DeepSpeed ZeRO-{stage} reduces a weight's gradient once per backward pass, and tiles are " \
+                 "backpropagated one at a time."  # fmt: skip
+        return OffloadSettings(0, False, reason)
+    return OffloadSettings(requested_tile, False, None)
 
 
-__all__ = ["ChunkStats", "ChunkedTrainerMixin", "mlp_tile_tokens_for", "tiles_break_gradient_hooks"]
+__all__ = ["ChunkStats", "ChunkedTrainerMixin", "OffloadSettings", "offload_settings"]

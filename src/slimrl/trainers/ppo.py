@@ -127,16 +127,9 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         # contract: ChunkedTrainerMixin's, applied to the policy and a separate value model (not to their wrapper)
         from slimrl.models.lora import skip_input_casts_under_autocast
 
-        args, wrapper = self.args, self.accelerator.unwrap_model(self.model)
+        wrapper = self.accelerator.unwrap_model(self.model)
         skip_input_casts_under_autocast(wrapper)
-        offload = args.offload_checkpoints or (args.offload_checkpoints is None and args.gradient_checkpointing)
-        if offload and not args.use_cpu and torch.cuda.is_available():
-            from slimrl.models.checkpointing import enable_offloaded_checkpointing
-            from slimrl.trainers.chunked_trainer import mlp_tile_tokens_for
-
-            tile = mlp_tile_tokens_for(self.accelerator, args.mlp_tile_tokens)
-            for module in (m for m in (wrapper.policy, wrapper.value_model) if m is not None):
-                enable_offloaded_checkpointing(module, tile)
+        self._offload_checkpoints([m for m in (wrapper.policy, wrapper.value_model) if m is not None])
 
     # -- data: one rollout's prompts per batch ---------------------------------------------------------------------
 

@@ -36,7 +36,8 @@ class SlimFields:
         default=None,
         metadata={
             "help": "Park each decoder layer's gradient checkpoint in pinned CPU memory between forward and backward, "
-            "so GPU memory does not grow with the number of layers. None: on when CUDA and gradient_checkpointing."
+            "so GPU memory does not grow with the number of layers. None: on when CUDA and gradient_checkpointing; "
+            "True: on any device (a CPU runs the same path with plain copies)."
         },
     )
     mlp_tile_tokens: int = field(
@@ -86,6 +87,14 @@ def check_slim_fields(args) -> None:
         raise ValueError(
             "offload_checkpoints=True offloads gradient checkpoints, but gradient_checkpointing is False. "
             "Set gradient_checkpointing=True, or leave offload_checkpoints unset."
+        )
+    if getattr(args, "ddp_static_graph", None):
+        raise ValueError(
+            "ddp_static_graph=True cannot be honoured by slimrl's chunked step: it backpropagates every chunk of a "
+            "micro-batch but the last under no_sync, and DDP's static graph, which records each weight's gradient "
+            "hooks once in its first iteration, fails on such a pass (torch 2.13's reducer: 'expect_autograd_hooks_ "
+            "INTERNAL ASSERT FAILED'). slimrl does not need it: its offloaded checkpoints hand autograd one gradient per "
+            "weight per backward pass. Set ddp_static_graph=False or leave it unset."
         )
 
 
