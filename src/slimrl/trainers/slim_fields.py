@@ -93,8 +93,8 @@ def check_slim_fields(args) -> None:
             "ddp_static_graph=True cannot be honoured by slimrl's chunked step: it backpropagates every chunk of a "
             "micro-batch but the last under no_sync, and DDP's static graph, which records each weight's gradient "
             "hooks once in its first iteration, fails on such a pass (torch 2.13's reducer: 'expect_autograd_hooks_ "
-            "INTERNAL ASSERT FAILED'). slimrl does not need it: its offloaded checkpoints hand autograd one gradient per "
-            "weight per backward pass. Set ddp_static_graph=False or leave it unset."
+            "INTERNAL ASSERT FAILED'). slimrl does not need it: its offloaded checkpoints hand autograd one gradient "
+            "per weight per backward pass. Set ddp_static_graph=False or leave it unset."
         )
 
 
