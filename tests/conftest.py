@@ -20,6 +20,21 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("SLIMRL_TEST_THREADS", "1")))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda: runs only where CUDA is (scripts/gpu_check.sh collects these on the GPU machine)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    needs_gpu = pytest.mark.skip(reason="needs CUDA: run scripts/gpu_check.sh on the GPU machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(needs_gpu)
+
+
 @pytest.fixture
 def tokenizer():
     from slimrl.testing import tiny_tokenizer

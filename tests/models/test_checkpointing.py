@@ -105,7 +105,7 @@ def test_eval_and_no_grad_forwards_do_not_offload():
     assert state.offloaded == 2  # the same model with grad: both layers offload
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory side-stream path needs CUDA")
+@pytest.mark.cuda  # the pinned-memory side-stream path needs CUDA
 def test_cuda_offload_matches_plain_checkpointing():
     model = lora_model().cuda()
     global IDS, MASK

@@ -92,7 +92,7 @@ def padded_attention_grads(seq_len: int, pad: int, dead_row: bool) -> list[torch
     return [q.grad, k.grad, v.grad]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuDNN SDPA fault is a CUDA one")
+@pytest.mark.cuda  # the cuDNN SDPA fault is a CUDA one
 @pytest.mark.parametrize(("seq_len", "pad", "dead_row"), itertools.product([64, 192, 320], [0, 3], [False, True]))
 def test_training_attention_gives_finite_gradients_at_the_shapes_that_break_cudnn(seq_len, pad, dead_row):
     with training_attention():

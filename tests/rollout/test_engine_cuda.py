@@ -9,7 +9,7 @@ from slimrl.rollout.engine import RolloutEngine
 from slimrl.rollout.sampling import SamplingParams
 from tests.rollout.helpers import GREEDY, PROMPTS, build, left_pad, no_eos, with_lora
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels need CUDA")
+pytestmark = pytest.mark.cuda  # CUDA graphs and the Triton kernels need CUDA
 
 
 def bf16_lora_model(layers: int = 2):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from tests.trainers import test_grpo_agents as agents
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's CUDA path needs a GPU")
+pytestmark = pytest.mark.cuda  # the engine's CUDA path needs a GPU
 
 
 @pytest.fixture(autouse=True)

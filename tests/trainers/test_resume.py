@@ -112,7 +112,7 @@ def test_resume_inside_a_generation_buffer_matches_the_straight_run(tmp_path):
     assert_resume_loses_nothing(straight, resumed)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's captured, fused path runs on CUDA")
+@pytest.mark.cuda  # the engine's captured, fused path runs on CUDA
 def test_resume_on_the_gpu_engine_path_matches_the_straight_run(tmp_path):
     """The engine (deterministic rollouts, seeded from the restored RNG streams) regenerates nothing after resume and
     samples what the straight run sampled; training on the GPU sums in a run-dependent order (the attention

@@ -24,8 +24,8 @@ import torch
 from slimrl.rollout.sampling import SamplingParams
 from tests.tolerances import assert_close
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="W1's shapes need a GPU (the interpreter runs "
-                                "these kernels at small shapes in the other tests)")  # fmt: skip
+# W1's shapes need a GPU (the interpreter runs these kernels at small shapes in the other tests)
+pytestmark = pytest.mark.cuda
 
 TUNER = Path(__file__).resolve().parents[3] / "bench" / "tune_decode.py"
 VOCAB = 151936
