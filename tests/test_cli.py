@@ -153,3 +153,29 @@ def test_generation_backend_and_on_nonfinite_flags_reach_the_trainers_config(tmp
     assert config.generation_backend == "engine" and config.on_nonfinite == "skip"
     defaults = build_parser().parse_args(["demo"])
     assert (defaults.generation_backend, defaults.on_nonfinite) == ("auto", "raise")
+
+
+def test_the_demo_under_two_processes_trains_data_parallel_and_only_the_main_one_writes(tmp_path):
+    # `accelerate launch --num_processes 2 -m slimrl.cli demo` on two H100s crashed when both ranks renamed the same
+    # metrics file; every rank trains, the main one prints and writes, and the ranks end with the same adapter
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.bench.test_scaling_smoke import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "demo"
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "slimrl.cli", *TINY_DEMO, "--gradient-checkpointing", "--output-dir",
+               str(out)]  # fmt: skip
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("held-out accuracy before") == 1 and result.stdout.count("step   2/2  reward") == 1
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["processes"] == 2
+    assert metrics["ranks_hold_the_same_adapter"] is True
+    assert metrics["settings"]["gradient_checkpointing"] is True
+    assert (out / "adapter" / "adapter_config.json").is_file() and not list(out.glob(".*.partial"))

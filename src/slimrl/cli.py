@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--async-generation", action="store_true",
                       help="grpo with --generation-device: generate the next step's rollout while this step trains "
                       "(one step stale, importance-sampling corrected)")  # fmt: skip
+    demo.add_argument("--gradient-checkpointing", action="store_true",
+                      help="checkpoint the decoder layers (on CUDA: slimrl's offloaded checkpoints, the MLP in tiles), "
+                      "as a long-context run trains; the 135M model does not need it")  # fmt: skip
     demo.add_argument(
         "--on-nonfinite",
         default=defaults.on_nonfinite,

@@ -52,6 +52,9 @@ class DemoSettings:
     load_in_4bit: bool = False  # the base in NF4 (bitsandbytes), LoRA over it
     generation_device: str | None = None  # GRPO/RLOO: the engine in a process of its own there, fed the LoRA
     async_generation: bool = False  # GRPO with generation_device: the next step generated while this one trains
+    # the trainer's gradient checkpointing (on CUDA: slimrl's offloaded checkpoints, MLP in tiles); a 135M model does
+    # not need it, but it runs the training step as a long-context run would
+    gradient_checkpointing: bool = False
 
     def validate(self) -> None:
         """A ValueError naming the first bad setting and what to use instead."""
@@ -168,7 +171,7 @@ def _common_config_kwargs(settings: DemoSettings, output_dir: Path, device: str)
         seed=settings.seed,
         use_cpu=device == "cpu",
         bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=False,
+        gradient_checkpointing=settings.gradient_checkpointing,
         disable_tqdm=True,
         num_chunks="auto",
         generation_backend=settings.generation_backend,
@@ -252,7 +255,7 @@ def _save_adapter(model, tokenizer, out: Path, summary: dict) -> str | None:
 
 
 def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Path, device: str, summary: dict,
-                   save) -> tuple:  # fmt: skip
+                   save, show: bool = True) -> tuple:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback
 
     from slimrl.trainers.step_timer import StepTimer
@@ -265,7 +268,7 @@ def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Pat
         args=config_class(**kwargs),
         train_dataset=train_set,
         processing_class=tokenizer,
-        callbacks=[progress_callback(settings.algorithm, settings.steps, summary["history"], timer, save)],
+        callbacks=[progress_callback(settings.algorithm, settings.steps, summary["history"], timer, save, show)],
     )
     timer.attach(trainer)
     trainer.remove_callback(PrinterCallback)  # our callback prints a compact line per step instead of the raw dict
@@ -303,10 +306,18 @@ def run_demo(settings: DemoSettings) -> dict:
     metrics.json is rewritten after every step (`status` "training"), so a run cut short keeps its curve. A
     NonFiniteError during training (GRPOConfig on_nonfinite="raise") ends training early: it is recorded
     (`raised_nonfinite_error`, `nonfinite_error`), and the model is still evaluated and saved (the check runs
-    before the optimizer step, so the weights are the last good ones; non-finite weights are not saved)."""
+    before the optimizer step, so the weights are the last good ones; non-finite weights are not saved).
+
+    Under a launcher (`accelerate launch --num_processes N -m slimrl.cli demo`) every process evaluates and trains;
+    only the main one prints and writes files, and the metrics record whether all ranks ended with the same adapter."""
+    from accelerate import PartialState
+
     settings.validate()
     started = time.perf_counter()
     device = resolve_device(settings.device)
+    main_process = PartialState(cpu=device == "cpu").is_main_process  # as the trainer will set it up
+    say = print if main_process else _quiet
+    write = write_json if main_process else _quiet
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = set_cpu_threads() if device == "cpu" else None
@@ -314,7 +325,7 @@ def run_demo(settings: DemoSettings) -> dict:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     where = f"{device}, {threads} threads" if threads else device
-    print(f"slimrl demo: {settings.algorithm.upper()} on {settings.model} ({where}), {settings.steps} steps -> {out}")
+    say(f"slimrl demo: {settings.algorithm.upper()} on {settings.model} ({where}), {settings.steps} steps -> {out}")
 
     model, tokenizer = load_model(settings, device)
     # the trainer cycles through the train split when the run asks for more problems than it holds
@@ -323,32 +334,48 @@ def run_demo(settings: DemoSettings) -> dict:
     train_size = min(wanted, split_size(settings.difficulty, "train"))
     train_set = arithmetic_dataset(train_size, seed=settings.seed, difficulty=settings.difficulty, split="train")
     eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, difficulty=settings.difficulty, split="eval")
-    print(f"example prompt: {eval_set[0]['prompt'][-1]['content']!r} (answer {eval_set[0]['answer']})")
+    say(f"example prompt: {eval_set[0]['prompt'][-1]['content']!r} (answer {eval_set[0]['answer']})")
     before = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy before: {before['accuracy']:.1%} (in the requested format: {before['in_format']:.1%})")
+    say(f"held-out accuracy before: {before['accuracy']:.1%} (in the requested format: {before['in_format']:.1%})")
 
     metrics_path = out / "metrics.json"
     summary = {"settings": asdict(settings), "device": device, "torch_threads": threads, "accuracy_before": before,
                "history": [], "status": "training", "nonfinite_error": None}  # fmt: skip
-    write_json(metrics_path, summary)  # rewritten after every step
+    write(metrics_path, summary)  # rewritten after every step
     trainer, timer = _build_trainer(settings, model, tokenizer, train_set, out, device, summary,
-                                    save=lambda: write_json(metrics_path, summary))  # fmt: skip
+                                    save=lambda: write(metrics_path, summary), show=main_process)  # fmt: skip
     train_seconds = _train(trainer, summary)
     summary["rollout_engine_used"] = any("engine_stats" in step for step in timer.steps)
-    if not any((out / "trainer").iterdir()):
+    summary["processes"] = trainer.accelerator.num_processes
+    if summary["processes"] > 1:
+        summary["ranks_hold_the_same_adapter"] = ranks_hold_the_same_weights(trainer)
+    if main_process and (out / "trainer").is_dir() and not any((out / "trainer").iterdir()):
         (out / "trainer").rmdir()  # TRL makes its output_dir; with save_strategy="no" it stays empty
 
     after = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    print(f"held-out accuracy after:  {after['accuracy']:.1%} (in the requested format: {after['in_format']:.1%})")
-    adapter_dir = _save_adapter(model, tokenizer, out, summary)
+    say(f"held-out accuracy after:  {after['accuracy']:.1%} (in the requested format: {after['in_format']:.1%})")
+    adapter_dir = _save_adapter(model, tokenizer, out, summary) if main_process else None
     summary.update(accuracy_after=after, adapter_saved=adapter_dir is not None, train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.perf_counter() - started, 1),
                    raised_nonfinite_error=summary["nonfinite_error"] is not None,
                    nonfinite_skipped_steps=nonfinite_skipped_steps(summary["history"]),
                    status="nonfinite_error" if summary["nonfinite_error"] else "finished")  # fmt: skip
-    write_json(metrics_path, summary)
-    print_summary(summary, adapter_dir, metrics_path, plot_history(summary, out / "reward.png"))
+    write(metrics_path, summary)
+    if main_process:
+        print_summary(summary, adapter_dir, metrics_path, plot_history(summary, out / "reward.png"))
     return summary
+
+
+def _quiet(*args, **kwargs) -> None:
+    """What a process other than the main one does instead of printing or writing a file."""
+
+
+def ranks_hold_the_same_weights(trainer) -> bool:
+    """Whether every process holds the same trainable weights, bit for bit (all-gathered, compared on each)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    weights = torch.cat([p.detach().float().flatten() for p in model.parameters() if p.requires_grad])
+    gathered = trainer.accelerator.gather(weights[None])  # [processes, numel]
+    return bool((gathered == gathered[:1]).all())
 
 
 __all__ = [
@@ -358,6 +385,7 @@ __all__ = [
     "grpo_config_kwargs",
     "nonfinite_skipped_steps",
     "ppo_config_kwargs",
+    "ranks_hold_the_same_weights",
     "run_demo",
     "write_json",
 ]

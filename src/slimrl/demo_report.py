@@ -36,16 +36,17 @@ def demo_logs(logs: dict) -> dict:
 
 
 
-def progress_callback(algorithm: str, total_steps: int, history: list[dict], timer, on_entry):
+def progress_callback(algorithm: str, total_steps: int, history: list[dict], timer, on_entry, show: bool = True):
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
     class DemoProgress(TrainerCallback):
         """A progress bar and one line of metrics per optimizer step; keeps each step's numeric logs, with the step
-        timer's split of its time, in `history`, and calls `on_entry()` after each."""
+        timer's split of its time, in `history`, and calls `on_entry()` after each. show=False: no bar, no lines (the
+        processes other than the main one of a multi-process run)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=total_steps, desc=algorithm.upper(), unit="step", leave=False)
+            self.bar = tqdm(total=total_steps, desc=algorithm.upper(), unit="step", leave=False, disable=not show)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = demo_logs(logs or {})
@@ -57,7 +58,8 @@ def progress_callback(algorithm: str, total_steps: int, history: list[dict], tim
                 logs = {**logs, "step_time": timed["step_s"]}
             entry.update({key: round(timed[key], 4) for key in TIMINGS if key in timed})
             history.append(entry)
-            self.bar.write(step_line(state.global_step, total_steps, logs))
+            if show:
+                self.bar.write(step_line(state.global_step, total_steps, logs))
             on_entry()
 
         def on_step_end(self, args, state, control, **kwargs):

@@ -9,7 +9,7 @@ recomputed in tiles, the fused element-wise ops (on every layer call: FUSED_MIN_
 micro-batch in bf16. Rank 0 writes what ran, the losses, and whether the ranks' trainable weights are identical after
 training (all-gathered); a failure in training is written with its traceback.
 
-usage: python -m torch.distributed.run --nproc_per_node 2 -m tests.distributed.one_gpu_ddp {ddp|fsdp2} OUT.json
+usage: python -m torch.distributed.run --nproc_per_node 2 -m tests.distributed.one_gpu_ddp OUT.json
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import sys
 import traceback
 
 os.environ["LOCAL_RANK"] = "0"  # both ranks on cuda:0: accelerate and HF take the device from LOCAL_RANK
-
-FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-
 
 def length_reward(completions, **kwargs) -> list[float]:
     return [min(len(completion), 40) / 40 for completion in completions]
@@ -37,7 +34,7 @@ def count_calls(module, name: str, counts: dict) -> None:
     setattr(module, name, counted)
 
 
-def build_trainer(mode: str, output_dir: str):
+def build_trainer(output_dir: str):
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -52,13 +49,13 @@ def build_trainer(mode: str, output_dir: str):
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=48,
         max_steps=3, logging_steps=1, learning_rate=1e-3, bf16=True, report_to="none", save_strategy="no",
         disable_tqdm=True, ddp_backend="gloo", gradient_checkpointing=True, num_chunks=2, mlp_tile_tokens=16,
-        generation_backend="engine", seed=0, **(FSDP2 if mode == "fsdp2" else {}),
+        generation_backend="engine", seed=0,
     )  # fmt: skip
     return slimrl.GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=tiny_prompt_dataset(),
                               processing_class=tiny_tokenizer())  # fmt: skip
 
 
-def main(mode: str, out: str) -> None:
+def main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -71,9 +68,9 @@ def main(mode: str, out: str) -> None:
     for name in ("mlp_forward", "norm_forward"):
         count_calls(checkpointing, name, calls)
     count_calls(RolloutEngine, "generate", calls)
-    logs: dict = {"mode": mode}
+    logs: dict = {}
     try:
-        trainer = build_trainer(mode, f"/tmp/one_gpu_{mode}_{os.environ['RANK']}")
+        trainer = build_trainer(f"/tmp/one_gpu_ddp_{os.environ['RANK']}")
         state = checkpointing.offload_state(trainer.model)
         state.min_offload_bytes = 0
         trainer.train()
@@ -89,12 +86,11 @@ def main(mode: str, out: str) -> None:
             mlp_tile_tokens=state.mlp_tile_tokens,
             calls=calls,
         )
-        if mode == "ddp":  # (under FSDP2 each rank holds its own shard)
-            weights = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters() if p.requires_grad])
-            gathered = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, weights)
-            logs["ranks_identical"] = all(torch.equal(gathered[0], other) for other in gathered[1:])
-            logs["weights_numel"] = weights.numel()
+        weights = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters() if p.requires_grad])
+        gathered = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, weights)
+        logs["ranks_identical"] = all(torch.equal(gathered[0], other) for other in gathered[1:])
+        logs["weights_numel"] = weights.numel()
     except Exception as error:  # the test reads the error; the other rank may be stuck in a collective
         logs.update(ran=False, error=f"{type(error).__name__}: {error}"[:2000])
         logs["traceback"] = traceback.format_exc()[-4000:]
@@ -109,4 +105,4 @@ def main(mode: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

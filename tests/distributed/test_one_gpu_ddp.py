@@ -1,7 +1,9 @@
 """slimrl's GRPO step under data parallel on the GPU, without a second GPU: two processes share cuda:0 over gloo, with
 the whole CUDA path on (engine per rank, offloaded checkpoints in pinned memory, MLP tiles, fused ops, two chunks).
-At 2cfc6ac the DDP case raised "marked as ready twice" at its first step, as on two H100s (issue 29). See
-one_gpu_ddp.py. Collected by scripts/gpu_check.sh."""
+At 2cfc6ac it raised "marked as ready twice" at its first step, as on two H100s (issue 29). See one_gpu_ddp.py.
+Collected by scripts/gpu_check.sh. FSDP2 cannot run this way: with two processes on one H100 over gloo both ranks
+died of SIGSEGV before the first step (torch 2.11, measured); its parity with TRL is tested on 2 CPU processes
+(test_sharded_training.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.cuda
 
 
-def run_two_ranks(mode: str, out: Path) -> dict:
+def run_two_ranks(out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tests.distributed.one_gpu_ddp", mode, str(out)]  # fmt: skip
+               str(free_port()), "-m", "tests.distributed.one_gpu_ddp", str(out)]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     logs = json.loads(out.read_text()) if out.exists() else {}
     assert result.returncode == 0 and logs.get("ran"), (
@@ -43,14 +45,9 @@ def assert_trained_on_the_cuda_path(logs: dict) -> None:
 
 
 def test_grpo_under_ddp_with_two_processes_on_one_gpu(tmp_path):
-    logs = run_two_ranks("ddp", tmp_path / "ddp.json")
+    logs = run_two_ranks(tmp_path / "ddp.json")
     assert logs["wrapper"] == "DistributedDataParallel"
     assert_trained_on_the_cuda_path(logs)
     assert logs["mlp_tile_tokens"] == 16  # the MLP tiles stay on under DDP
     assert logs["ranks_identical"] and logs["weights_numel"] > 0  # gradients all-reduced: the same update on both
 
-
-def test_grpo_under_fsdp2_with_two_processes_on_one_gpu(tmp_path):
-    logs = run_two_ranks("fsdp2", tmp_path / "fsdp2.json")
-    assert logs["distributed_type"] == "DistributedType.FSDP"
-    assert_trained_on_the_cuda_path(logs)
