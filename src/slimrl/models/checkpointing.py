@@ -73,7 +73,7 @@ class OffloadState:
                  weights_in_graph: bool = True):  # fmt: skip
         self.mlp_tile_tokens = mlp_tile_tokens  # MLP tile of the split recompute; 0: the whole sequence at once
         # True: the layer's trainable weights are inputs of the checkpoint node and their gradients come back through
-        # it (once per backward pass). False: the recompute accumulates into .grad itself (FSDP, ZeRO-3).
+        # it (once per backward pass). False: the recompute accumulates into .grad itself (FSDP, DeepSpeed).
         self.weights_in_graph = weights_in_graph
         # Checkpoints smaller than this stay on the GPU: 28 of them cost under 1 GiB, and their copies would cost more
         # time than they save memory.
