@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from slimrl.cli import build_parser, main
+from slimrl.demo_report import accuracy_line
 
 TINY_DEMO = ["demo", "--model", "tiny", "--steps", "2", "--eval-size", "4", "--num-generations", "4",
              "--max-completion-length", "8", "--device", "cpu"]  # fmt: skip
-
-
-def accuracy_line(label: str, scores: dict) -> str:
-    """The demo's printed line for held-out scores (`label` "before:" or "after: ")."""
-    return f"held-out accuracy {label} {scores['accuracy']:.1%} (in the requested format: {scores['in_format']:.1%})"
 
 
 def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):

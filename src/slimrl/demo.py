@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from slimrl.data import DIFFICULTIES, arithmetic_dataset, split_size
-from slimrl.demo_report import plot_history, print_summary, progress_callback
+from slimrl.demo_report import accuracy_line, plot_history, print_summary, progress_callback, quiet, record_run
 from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, is_in_format, normalise_number
 
 TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own tests
@@ -300,6 +300,17 @@ def problems_per_step(settings: DemoSettings) -> float:
     return settings.prompts_per_step
 
 
+def demo_datasets(settings: DemoSettings) -> tuple:
+    """(train set, held-out set) of the run's arithmetic problems."""
+    # the trainer cycles through the train split when the run asks for more problems than it holds
+    one_batch = settings.num_generations * settings.prompts_per_step  # PPO's rollout needs this many problems
+    wanted = max(round(settings.steps * problems_per_step(settings)), one_batch)
+    train_size = min(wanted, split_size(settings.difficulty, "train"))
+    train_set = arithmetic_dataset(train_size, seed=settings.seed, difficulty=settings.difficulty, split="train")
+    eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, difficulty=settings.difficulty, split="eval")
+    return train_set, eval_set
+
+
 def run_demo(settings: DemoSettings) -> dict:
     """Evaluate, train with GRPO, evaluate again; save the adapter, metrics JSON and plot. Returns the metrics.
 
@@ -316,8 +327,8 @@ def run_demo(settings: DemoSettings) -> dict:
     started = time.perf_counter()
     device = resolve_device(settings.device)
     main_process = PartialState(cpu=device == "cpu").is_main_process  # as the trainer will set it up
-    say = print if main_process else _quiet
-    write = write_json if main_process else _quiet
+    say = print if main_process else quiet
+    write = write_json if main_process else quiet
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = set_cpu_threads() if device == "cpu" else None
@@ -328,15 +339,10 @@ def run_demo(settings: DemoSettings) -> dict:
     say(f"slimrl demo: {settings.algorithm.upper()} on {settings.model} ({where}), {settings.steps} steps -> {out}")
 
     model, tokenizer = load_model(settings, device)
-    # the trainer cycles through the train split when the run asks for more problems than it holds
-    one_batch = settings.num_generations * settings.prompts_per_step  # PPO's rollout needs this many problems
-    wanted = max(round(settings.steps * problems_per_step(settings)), one_batch)
-    train_size = min(wanted, split_size(settings.difficulty, "train"))
-    train_set = arithmetic_dataset(train_size, seed=settings.seed, difficulty=settings.difficulty, split="train")
-    eval_set = arithmetic_dataset(settings.eval_size, seed=settings.seed, difficulty=settings.difficulty, split="eval")
+    train_set, eval_set = demo_datasets(settings)
     say(f"example prompt: {eval_set[0]['prompt'][-1]['content']!r} (answer {eval_set[0]['answer']})")
     before = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    say(f"held-out accuracy before: {before['accuracy']:.1%} (in the requested format: {before['in_format']:.1%})")
+    say(accuracy_line("before:", before))
 
     metrics_path = out / "metrics.json"
     summary = {"settings": asdict(settings), "device": device, "torch_threads": threads, "accuracy_before": before,
@@ -345,15 +351,12 @@ def run_demo(settings: DemoSettings) -> dict:
     trainer, timer = _build_trainer(settings, model, tokenizer, train_set, out, device, summary,
                                     save=lambda: write(metrics_path, summary), show=main_process)  # fmt: skip
     train_seconds = _train(trainer, summary)
-    summary["rollout_engine_used"] = any("engine_stats" in step for step in timer.steps)
-    summary["processes"] = trainer.accelerator.num_processes
-    if summary["processes"] > 1:
-        summary["ranks_hold_the_same_adapter"] = ranks_hold_the_same_weights(trainer)
+    record_run(trainer, timer, summary)
     if main_process and (out / "trainer").is_dir() and not any((out / "trainer").iterdir()):
         (out / "trainer").rmdir()  # TRL makes its output_dir; with save_strategy="no" it stays empty
 
     after = evaluate(model, tokenizer, eval_set, settings.max_completion_length)
-    say(f"held-out accuracy after:  {after['accuracy']:.1%} (in the requested format: {after['in_format']:.1%})")
+    say(accuracy_line("after: ", after))
     adapter_dir = _save_adapter(model, tokenizer, out, summary) if main_process else None
     summary.update(accuracy_after=after, adapter_saved=adapter_dir is not None, train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.perf_counter() - started, 1),
@@ -366,26 +369,14 @@ def run_demo(settings: DemoSettings) -> dict:
     return summary
 
 
-def _quiet(*args, **kwargs) -> None:
-    """What a process other than the main one does instead of printing or writing a file."""
-
-
-def ranks_hold_the_same_weights(trainer) -> bool:
-    """Whether every process holds the same trainable weights, bit for bit (all-gathered, compared on each)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = torch.cat([p.detach().float().flatten() for p in model.parameters() if p.requires_grad])
-    gathered = trainer.accelerator.gather(weights[None])  # [processes, numel]
-    return bool((gathered == gathered[:1]).all())
-
-
 __all__ = [
     "ALGORITHMS",
+    "demo_datasets",
     "DemoSettings",
     "evaluate",
     "grpo_config_kwargs",
     "nonfinite_skipped_steps",
     "ppo_config_kwargs",
-    "ranks_hold_the_same_weights",
     "run_demo",
     "write_json",
 ]

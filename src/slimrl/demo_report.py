@@ -131,4 +131,32 @@ def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
     return path
 
 
-__all__ = ["TIMINGS", "demo_logs", "moving_average", "plot_history", "print_summary", "progress_callback", "step_line"]
+def accuracy_line(label: str, scores: dict) -> str:
+    """The printed line of held-out scores (`label` "before:" or "after: ")."""
+    return f"held-out accuracy {label} {scores['accuracy']:.1%} (in the requested format: {scores['in_format']:.1%})"
+
+
+def record_run(trainer, timer, summary: dict) -> None:
+    """What the metrics say of how training ran: the engine, the process count, the ranks' adapters."""
+    summary["rollout_engine_used"] = any("engine_stats" in step for step in timer.steps)
+    summary["processes"] = trainer.accelerator.num_processes
+    if summary["processes"] > 1:
+        summary["ranks_hold_the_same_adapter"] = ranks_hold_the_same_weights(trainer)
+
+
+def quiet(*args, **kwargs) -> None:
+    """What a process other than the main one does instead of printing or writing a file."""
+
+
+def ranks_hold_the_same_weights(trainer) -> bool:
+    """Whether every process holds the same trainable weights, bit for bit (all-gathered, compared on each)."""
+    import torch
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    weights = torch.cat([p.detach().float().flatten() for p in model.parameters() if p.requires_grad])
+    gathered = trainer.accelerator.gather(weights[None])  # [processes, numel]
+    return bool((gathered == gathered[:1]).all())
+
+
+__all__ = ["TIMINGS", "accuracy_line", "demo_logs", "moving_average", "plot_history", "print_summary",
+           "progress_callback", "quiet", "ranks_hold_the_same_weights", "record_run", "step_line"]

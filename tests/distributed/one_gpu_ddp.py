@@ -59,14 +59,14 @@ def main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from slimrl.models import checkpointing
+    from slimrl.models import checkpointing, recompute
     from slimrl.rollout.engine import RolloutEngine
     from tests.distributed.worker_exit import write_logs_and_exit
 
-    checkpointing.FUSED_MIN_TOKENS = 1
+    recompute.FUSED_MIN_TOKENS = 1
     calls: dict[str, int] = {}
     for name in ("mlp_forward", "norm_forward"):
-        count_calls(checkpointing, name, calls)
+        count_calls(recompute, name, calls)
     count_calls(RolloutEngine, "generate", calls)
     logs: dict = {}
     try:

@@ -6,11 +6,9 @@ copied to host memory on a side CUDA stream while the forward goes on, and copie
 layer i is recomputed and backpropagated, layer i-1's input is already travelling back. GPU memory then no longer
 grows with the number of layers.
 
-Llama-family layers (Llama, Qwen2, Qwen3, Mistral; the residual attention + residual MLP shape) are recomputed in two
-parts: the attention over the whole sequence, then the MLP tile by tile, each tile's forward followed at once by its
-backward. A long sequence's MLP activations ([tokens, intermediate], 4 of them) then never exist at once, and no
-extra forward is spent on it. The first, gradient-free forward runs the MLP in the same tiles. Other layers (and
-layers with active dropout, whose masks depend on the tiling) are recomputed whole.
+Llama-family layers are recomputed in two parts, the attention, then the MLP tile by tile (models/recompute.py); the
+first, gradient-free forward runs the MLP in the same tiles. Other layers (and layers with active dropout, whose masks
+depend on the tiling) are recomputed whole.
 
 The layer's trainable weights are inputs of the checkpoint's autograd node, and its backward *returns* their
 gradients (summed over the MLP tiles) instead of accumulating them from a backward of its own. Autograd then adds each
@@ -34,16 +32,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimrl.models.recompute import (
+    SPLIT_LAYER_TYPES,
+    Weights,
+    layer_of,
+    split_backward,
+    split_forward,
+    splittable_layer,
+    trainable_weights,
+)
 from slimrl.models.unwrap import hf_model
-from slimrl.ops.fused import mlp_forward, norm_forward
 
 _STATE = "_slimrl_offload"  # the attribute of the transformers model that holds its OffloadState
-SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 DEFAULT_MLP_TILE_TOKENS = 8192
 MIN_OFFLOAD_BYTES = 32 * 2**20
-# The fused element-wise kernels pay a fixed CPU cost per call; below this many tokens per layer call the GPU work is
-# too short to hide it, so the eager reference runs instead.
-FUSED_MIN_TOKENS = 16384
 
 
 @dataclass
@@ -88,7 +90,7 @@ class OffloadState:
 
     def checkpoint(self, function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
         """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
-        layer = _layer_of(function)
+        layer = layer_of(function)
         if kwargs:
             function = _bind(function, kwargs)
         if not torch.is_tensor(hidden_states):
@@ -96,10 +98,10 @@ class OffloadState:
         if not torch.is_grad_enabled():
             # a gradient-free pass (a reference model's, PPO's old log-probs) computes what the training forward
             # computes, op for op: in bf16 the MLP's tiles and the fused ops round differently from the whole layer
-            split = _splittable_layer(function, args)
-            return function(hidden_states, *args) if split is None else _split_forward(self, *split, hidden_states)
+            split = splittable_layer(function, args)
+            return function(hidden_states, *args) if split is None else split_forward(self, *split, hidden_states)
         # An unknown layer's weights cannot be named, so its recompute accumulates into them (correct on one process)
-        weights = _trainable_weights(layer) if self.weights_in_graph and layer is not None else None
+        weights = trainable_weights(layer) if self.weights_in_graph and layer is not None else None
         # A grad-requiring anchor makes autograd call backward even when no input of the node requires grad (a frozen
         # embedding, with the weights accumulated by the recompute rather than passed in), so the weights still get
         # their gradients.
@@ -182,10 +184,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             stash.previous = last
         state.last = stash
         ctx.stash = stash
-        ctx.split = _splittable_layer(function, other_args)
+        ctx.split = splittable_layer(function, other_args)
         with torch.no_grad():
             if ctx.split is not None:
-                return _split_forward(state, *ctx.split, hidden_states)
+                return split_forward(state, *ctx.split, hidden_states)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -208,7 +210,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 _set_rng_state(hidden_states.device, stash.rng_state)
             if ctx.split is not None:
                 with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
-                    input_grads = [_split_backward(state, *ctx.split, hidden_states, output_grads[0], weights)]
+                    input_grads = [split_backward(state, *ctx.split, hidden_states, output_grads[0], weights)]
             else:
                 with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
                     outputs = ctx.function(hidden_states, *others)
@@ -219,117 +221,6 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.state = ctx.function = ctx.other_args = ctx.stash = ctx.split = None
         other_grads = input_grads[1:] + [None] * (len(others) + 1 - len(input_grads))
         return (None, None, None, None, input_grads[0], None, *weights.grads(), *other_grads)
-
-
-class Weights:
-    """The trainable weights of one recomputed layer and the gradients the recompute found for them.
-
-    `params` None: the weights are not inputs of the checkpoint node; `backprop` then accumulates into every leaf the
-    recompute reaches, as a plain backward does."""
-
-    def __init__(self, params: list[torch.Tensor] | None):
-        self.params = params
-        self.sums: list[torch.Tensor | None] = [None] * len(params or ())
-
-    def backprop(self, outputs: list, grad_outputs: list, inputs: list) -> list[torch.Tensor | None]:
-        """Backpropagate `grad_outputs` through `outputs`; returns the gradients of the recompute's leaf `inputs`
-        (None where one needs none) and adds the weights' gradients to `sums`."""
-        wanted = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
-        if not outputs:
-            return [None] * len(inputs)
-        if self.params is None:
-            torch.autograd.backward(outputs, grad_outputs)
-            return [t.grad if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
-        found = torch.autograd.grad(outputs, wanted + self.params, grad_outputs, allow_unused=True)
-        for index, grad in enumerate(found[len(wanted) :]):
-            if grad is not None:
-                self.sums[index] = grad if self.sums[index] is None else self.sums[index].add_(grad)
-        by_input = iter(found[: len(wanted)])
-        return [next(by_input) if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
-
-    def grads(self) -> list[torch.Tensor | None]:
-        """What the checkpoint node returns for its weight inputs."""
-        return self.sums
-
-
-def _layer_of(function) -> torch.nn.Module | None:
-    """The module whose forward `function` is, as transformers passes it (`partial(forward, layer, **kwargs)`, or a
-    partial of the layer's bound `__call__` in older versions), else None."""
-    if not isinstance(function, functools.partial):
-        return None
-    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
-    return layer if isinstance(layer, torch.nn.Module) else None
-
-
-def _trainable_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for p in layer.parameters() if p.requires_grad]
-
-
-def _splittable_layer(function, other_args) -> tuple | None:
-    """(layer, kwargs) when `function` is a Llama-family decoder layer's forward that can be recomputed in parts."""
-    layer = None if other_args else _layer_of(function)
-    if type(layer).__name__ not in SPLIT_LAYER_TYPES:
-        return None
-    if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
-        return None
-    return layer, dict(function.keywords)
-
-
-def _split_forward(state: OffloadState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The layer's output without grad as the offloaded forward computes it: attention, then the MLP in tiles of
-    `state.mlp_tile_tokens` tokens, with the fused ops for long sequences."""
-    fused = _use_fused(hidden_states)
-    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-    return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
-
-
-def _attention(layer, hidden_states: torch.Tensor, kwargs: dict, fused: bool) -> torch.Tensor:
-    """attn(norm1(x)), the layer's first residual branch (the RMSNorm fused on CUDA for long sequences)."""
-    normed = norm_forward(layer.input_layernorm, hidden_states) if fused else layer.input_layernorm(hidden_states)
-    return layer.self_attn(hidden_states=normed, **kwargs)[0]
-
-
-def _mlp_block(layer, hidden_states: torch.Tensor, fused: bool) -> torch.Tensor:
-    """mlp(norm2(h)), the layer's second residual branch (RMSNorm and SwiGLU product fused for long sequences)."""
-    if not fused:
-        return layer.mlp(layer.post_attention_layernorm(hidden_states))
-    return mlp_forward(layer.mlp, norm_forward(layer.post_attention_layernorm, hidden_states))
-
-
-def _use_fused(hidden_states: torch.Tensor) -> bool:
-    return hidden_states.is_cuda and hidden_states.numel() // hidden_states.shape[-1] >= FUSED_MIN_TOKENS
-
-
-def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
-    """A token-wise `function` over [..., tokens, hidden] in tiles of `tile` tokens (0: one piece), under no grad."""
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if tile <= 0 or flat.shape[0] <= tile:
-        return function(hidden_states)
-    return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
-
-
-def _split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
-                    weights: Weights) -> torch.Tensor | None:  # fmt: skip
-    """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention. Returns the
-    gradient of `x` (None when it needs none); the weights' gradients go to `weights`. Runs under enable_grad."""
-    state.split_recomputes += 1
-    fused = _use_fused(hidden_states)
-    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-    flat_mid = residual.detach().view(-1, residual.shape[-1])
-    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-    mid_grad = torch.zeros_like(flat_mid)  # [tokens, hidden]: d loss / d h through the MLP branch
-    tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
-    for start in range(0, flat_mid.shape[0], tile):
-        part = flat_mid[start : start + tile].detach().requires_grad_(True)  # a leaf per tile
-        out = _mlp_block(layer, part, fused)
-        (part_grad,) = weights.backprop([out], [flat_grad[start : start + tile]], [part])
-        if part_grad is not None:
-            mid_grad[start : start + tile] = part_grad
-        del out, part_grad  # this tile's MLP activations go before the next tile's are made
-    if not residual.requires_grad:
-        return None
-    (grad,) = weights.backprop([residual], [grad_output + mid_grad.view_as(grad_output)], [hidden_states])
-    return grad
 
 
 def _bind(function, kwargs):

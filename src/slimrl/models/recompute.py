@@ -1,0 +1,140 @@
+"""How a checkpointed decoder layer is recomputed in its backward (models/checkpointing.py runs it).
+
+Llama-family layers (Llama, Qwen2, Qwen3, Mistral: the residual attention + residual MLP shape) are recomputed in two
+parts: the attention over the whole sequence, then the MLP tile by tile, each tile's forward followed at once by its
+backward, so a long sequence's MLP activations ([tokens, intermediate], 4 of them) never exist at once. The
+gradient-free forward runs the MLP in the same tiles, with the fused element-wise ops for long sequences, so both
+compute the same thing op for op.
+
+`Weights` is how a recompute's gradients reach the layer's weights: summed over the tiles and handed back through the
+checkpoint's autograd node (one gradient per weight per backward pass, which DDP's reducer needs), or accumulated in
+place by a plain backward where a sharding framework's hooks must see them inside the recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from slimrl.ops.fused import mlp_forward, norm_forward
+
+if TYPE_CHECKING:
+    from slimrl.models.checkpointing import OffloadState
+
+SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+# The fused element-wise kernels pay a fixed CPU cost per call; below this many tokens per layer call the GPU work is
+# too short to hide it, so the eager reference runs instead.
+FUSED_MIN_TOKENS = 16384
+
+
+class Weights:
+    """The trainable weights of one recomputed layer and the gradients the recompute found for them.
+
+    `params` None: the weights are not inputs of the checkpoint node; `backprop` then accumulates into every leaf the
+    recompute reaches, as a plain backward does."""
+
+    def __init__(self, params: list[torch.Tensor] | None):
+        self.params = params
+        self.sums: list[torch.Tensor | None] = [None] * len(params or ())
+
+    def backprop(self, outputs: list, grad_outputs: list, inputs: list) -> list[torch.Tensor | None]:
+        """Backpropagate `grad_outputs` through `outputs`; returns the gradients of the recompute's leaf `inputs`
+        (None where one needs none) and adds the weights' gradients to `sums`."""
+        wanted = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
+        if not outputs:
+            return [None] * len(inputs)
+        if self.params is None:
+            torch.autograd.backward(outputs, grad_outputs)
+            return [t.grad if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
+        found = torch.autograd.grad(outputs, wanted + self.params, grad_outputs, allow_unused=True)
+        for index, grad in enumerate(found[len(wanted) :]):
+            if grad is not None:
+                self.sums[index] = grad if self.sums[index] is None else self.sums[index].add_(grad)
+        by_input = iter(found[: len(wanted)])
+        return [next(by_input) if torch.is_tensor(t) and t.requires_grad else None for t in inputs]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """What the checkpoint node returns for its weight inputs."""
+        return self.sums
+
+
+def layer_of(function) -> torch.nn.Module | None:
+    """The module whose forward `function` is, as transformers passes it (`partial(forward, layer, **kwargs)`, or a
+    partial of the layer's bound `__call__` in older versions), else None."""
+    if not isinstance(function, functools.partial):
+        return None
+    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
+    return layer if isinstance(layer, torch.nn.Module) else None
+
+
+def trainable_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in layer.parameters() if p.requires_grad]
+
+
+def splittable_layer(function, other_args) -> tuple | None:
+    """(layer, kwargs) when `function` is a Llama-family decoder layer's forward that can be recomputed in parts."""
+    layer = None if other_args else layer_of(function)
+    if type(layer).__name__ not in SPLIT_LAYER_TYPES:
+        return None
+    if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
+        return None
+    return layer, dict(function.keywords)
+
+
+def split_forward(state: OffloadState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The layer's output without grad as the offloaded forward computes it: attention, then the MLP in tiles of
+    `state.mlp_tile_tokens` tokens, with the fused ops for long sequences."""
+    fused = _use_fused(hidden_states)
+    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
+    return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
+
+
+def _attention(layer, hidden_states: torch.Tensor, kwargs: dict, fused: bool) -> torch.Tensor:
+    """attn(norm1(x)), the layer's first residual branch (the RMSNorm fused on CUDA for long sequences)."""
+    normed = norm_forward(layer.input_layernorm, hidden_states) if fused else layer.input_layernorm(hidden_states)
+    return layer.self_attn(hidden_states=normed, **kwargs)[0]
+
+
+def _mlp_block(layer, hidden_states: torch.Tensor, fused: bool) -> torch.Tensor:
+    """mlp(norm2(h)), the layer's second residual branch (RMSNorm and SwiGLU product fused for long sequences)."""
+    if not fused:
+        return layer.mlp(layer.post_attention_layernorm(hidden_states))
+    return mlp_forward(layer.mlp, norm_forward(layer.post_attention_layernorm, hidden_states))
+
+
+def _use_fused(hidden_states: torch.Tensor) -> bool:
+    return hidden_states.is_cuda and hidden_states.numel() // hidden_states.shape[-1] >= FUSED_MIN_TOKENS
+
+
+def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
+    """A token-wise `function` over [..., tokens, hidden] in tiles of `tile` tokens (0: one piece), under no grad."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if tile <= 0 or flat.shape[0] <= tile:
+        return function(hidden_states)
+    return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
+
+
+def split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
+                   weights: Weights) -> torch.Tensor | None:  # fmt: skip
+    """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention. Returns the
+    gradient of `x` (None when it needs none); the weights' gradients go to `weights`. Runs under enable_grad."""
+    state.split_recomputes += 1
+    fused = _use_fused(hidden_states)
+    residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
+    flat_mid = residual.detach().view(-1, residual.shape[-1])
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    mid_grad = torch.zeros_like(flat_mid)  # [tokens, hidden]: d loss / d h through the MLP branch
+    tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
+    for start in range(0, flat_mid.shape[0], tile):
+        part = flat_mid[start : start + tile].detach().requires_grad_(True)  # a leaf per tile
+        out = _mlp_block(layer, part, fused)
+        (part_grad,) = weights.backprop([out], [flat_grad[start : start + tile]], [part])
+        if part_grad is not None:
+            mid_grad[start : start + tile] = part_grad
+        del out, part_grad  # this tile's MLP activations go before the next tile's are made
+    if not residual.requires_grad:
+        return None
+    (grad,) = weights.backprop([residual], [grad_output + mid_grad.view_as(grad_output)], [hidden_states])
+    return grad
