@@ -153,8 +153,6 @@ def offload_settings(accelerator, requested_tile: int) -> OffloadSettings:
     hooks run inside the recompute on the weights they gather, so the recompute accumulates into the weights itself;
     under ZeRO-2/3 a second tile's gradient for the same weight trips DeepSpeed's per-weight bucket check, so the MLP
     is recomputed untiled there."""
-    from accelerate.utils import DistributedType
-
     from slimrl.distributed.sharded import zero_stage
 
     if accelerator.distributed_type == DistributedType.FSDP:
