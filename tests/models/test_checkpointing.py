@@ -175,6 +175,41 @@ def test_a_gradient_free_forward_computes_what_the_checkpointed_forward_computes
     assert model.is_gradient_checkpointing  # the checkpoint function stayed installed and nothing was undone
 
 
+def test_a_forward_the_layer_already_has_is_kept_and_called():
+    # accelerate's device-map hooks put an instance forward on a layer; routing gradient-free calls must not drop it
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from slimrl.models.checkpointing import gradient_free_forward
+
+    class CountCalls(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(layers.index(module))
+            return args, kwargs
+
+    calls, model = [], lora_model()
+    layers = hf_layers(model)
+    for layer in layers:
+        add_hook_to_module(layer, CountCalls())
+    hooks = [vars(layer)["forward"] for layer in layers]
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)
+    model.train()
+    with_grad = model(input_ids=IDS, attention_mask=MASK).logits
+    assert calls == [0, 1]
+    with torch.no_grad(), gradient_free_forward(model, {"use_reentrant": False}):
+        without_grad = model(input_ids=IDS, attention_mask=MASK).logits
+    # the hook's forward is a partial over the layer, so the checkpoint still finds the layer and recomputes it in
+    # tiles (computing from the layer's modules, as the recompute with grad does)
+    assert torch.equal(with_grad.detach(), without_grad)
+    disable_offloaded_checkpointing(model)
+    assert [vars(layer).get("forward") for layer in layers] == hooks
+    model(input_ids=IDS, attention_mask=MASK)
+    assert calls[-2:] == [0, 1]
+
+
+def hf_layers(model) -> list:
+    return [module for module in model.modules() if type(module).__name__.endswith("DecoderLayer")]
+
+
 def test_without_offloading_a_gradient_free_forward_turns_checkpointing_off_as_trl_does():
     from slimrl.models.checkpointing import gradient_free_forward
 

@@ -262,23 +262,36 @@ def _install(model, state: OffloadState) -> None:
             # transformers >= 5.24 wraps the layer class's forward (functools.wraps leaves __wrapped__) and runs it
             # plain without grad; earlier versions call the checkpoint function then too
             if type(module).__name__ in SPLIT_LAYER_TYPES and hasattr(type(module).forward, "__wrapped__"):
-                module.forward = types.MethodType(_checkpointed_without_grad, module)
+                _route_gradient_free_calls(module)
+
+
+def _route_gradient_free_calls(layer) -> None:
+    """Give `layer` an instance forward that sends gradient-free calls through the checkpoint function. A forward the
+    instance already has (accelerate's device-map hooks put one there) is kept and called inside ours."""
+    current = vars(layer).get("forward")
+    if getattr(current, "__func__", None) is _checkpointed_without_grad:
+        return
+    vars(layer)["_slimrl_inner_forward"] = current  # None: the class's own forward
+    layer.forward = types.MethodType(_checkpointed_without_grad, layer)
 
 
 def _uninstall(model) -> None:
     for module in model.modules():
         if getattr(vars(module).get("forward"), "__func__", None) is _checkpointed_without_grad:
+            inner = vars(module).pop("_slimrl_inner_forward", None)
             del module.forward
+            if inner is not None:
+                module.forward = inner
 
 
 def _checkpointed_without_grad(layer, *args, **kwargs):
     """A decoder layer's forward whose gradient-free calls in training mode, with checkpointing on, go through the
     checkpoint function as calls with grad do: a reference pass or PPO's old log-probs then compute what the training
     forward computes, MLP tiles and fused ops included (transformers >= 5.24 runs such a call as the plain layer)."""
-    forward = type(layer).forward
+    forward = vars(layer).get("_slimrl_inner_forward") or functools.partial(type(layer).forward, layer)
     if torch.is_grad_enabled() or not args or not (layer.training and layer.gradient_checkpointing):
-        return forward(layer, *args, **kwargs)
-    return layer._gradient_checkpointing_func(functools.partial(forward, layer, **kwargs), *args)
+        return forward(*args, **kwargs)
+    return layer._gradient_checkpointing_func(functools.partial(forward, **kwargs), *args)
 
 
 def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):

@@ -63,10 +63,21 @@ class Weights:
 def layer_of(function) -> torch.nn.Module | None:
     """The module whose forward `function` is, as transformers passes it (`partial(forward, layer, **kwargs)`, or a
     partial of the layer's bound `__call__` in older versions), else None."""
-    if not isinstance(function, functools.partial):
-        return None
-    layer = function.args[0] if function.args else getattr(function.func, "__self__", None)
-    return layer if isinstance(layer, torch.nn.Module) else None
+    return _unwrap(function)[0]
+
+
+def _unwrap(function) -> tuple[torch.nn.Module | None, dict]:
+    """(layer, keyword arguments) of a layer's forward wrapped in partials. A partial that carries attributes (the
+    one accelerate's hooks put on a layer, made by functools.update_wrapper) is not flattened into the next, so the
+    chain is walked; outer keywords win, as they do when the partials are called."""
+    keywords: dict = {}
+    while isinstance(function, functools.partial):
+        keywords = {**function.keywords, **keywords}
+        owner = function.args[0] if function.args else getattr(function.func, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner, keywords
+        function = function.func
+    return None, keywords
 
 
 def trainable_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
@@ -75,12 +86,12 @@ def trainable_weights(layer: torch.nn.Module) -> list[torch.Tensor]:
 
 def splittable_layer(function, other_args) -> tuple | None:
     """(layer, kwargs) when `function` is a Llama-family decoder layer's forward that can be recomputed in parts."""
-    layer = None if other_args else layer_of(function)
+    layer, keywords = (None, {}) if other_args else _unwrap(function)
     if type(layer).__name__ not in SPLIT_LAYER_TYPES:
         return None
     if layer.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in layer.modules()):
         return None
-    return layer, dict(function.keywords)
+    return layer, keywords
 
 
 def split_forward(state: OffloadState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
