@@ -6,6 +6,10 @@ does, and save the LoRA adapter.
 
     python examples/offline_arithmetic.py sft [--steps 12] [--output-dir outputs/sft]
     python examples/offline_arithmetic.py dpo [--steps 12] [--output-dir outputs/dpo]
+    python examples/offline_arithmetic.py sft --smoke   # seconds: checks that it runs (tests/test_examples.py)
+
+`--smoke` swaps the embedded model for slimrl.testing's tiny 2-layer model (random weights, built from a config; the
+135M model's load and steps take too long for a test) and runs 1 step on the CPU with 4 held-out problems.
 
 `PatchFastRL(algorithm)` makes `trl.SFTTrainer` / `trl.DPOTrainer` slimrl's; the rest is plain TRL.
 
@@ -37,13 +41,32 @@ def replies(rows: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def load_model(smoke: bool, cuda: bool, seed: int):
+    """The embedded SmolLM2-135M-Instruct, or with `smoke` slimrl.testing's tiny model, with a LoRA adapter."""
+    from slimrl import FastLanguageModel
+
+    if smoke:
+        from slimrl.testing import tiny_model, tiny_tokenizer
+
+        model, tokenizer = tiny_model("llama", seed=seed), tiny_tokenizer()
+    else:
+        model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=256,
+                                                             dtype=None if cuda else torch.float32)  # fmt: skip
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
+                                             random_state=seed)  # fmt: skip
+    return model, tokenizer
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("algorithm", choices=("sft", "dpo"))
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 12; 1 with --smoke)")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 step, CPU: checks that the example runs")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 1 if args.smoke else 12
 
     from slimrl import FastLanguageModel, PatchFastRL
 
@@ -56,23 +79,23 @@ def main(argv=None) -> dict:
     from slimrl.demo import evaluate
 
     torch.manual_seed(args.seed)
-    cuda = torch.cuda.is_available()
-    model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=256,
-                                                         dtype=None if cuda else torch.float32)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
-                                             random_state=args.seed)  # fmt: skip
-    held_out = arithmetic_dataset(48, seed=1, split="eval")
-    before = evaluate(model, tokenizer, held_out, max_new_tokens=24)
-    rows = replies(arithmetic_rows(8 * args.steps, seed=args.seed), args.seed)
+    cuda = torch.cuda.is_available() and not args.smoke
+    model, tokenizer = load_model(args.smoke, cuda, args.seed)
+    # the smoke run's tiny model answers nothing right: a few problems and tokens show the evaluation runs
+    held_out = arithmetic_dataset(4 if args.smoke else 48, seed=1, split="eval")
+    new_tokens = 4 if args.smoke else 24
+    before = evaluate(model, tokenizer, held_out, max_new_tokens=new_tokens)
+    batch = 2 if args.smoke else 8
+    rows = replies(arithmetic_rows(batch * args.steps, seed=args.seed), args.seed)
     if args.algorithm == "sft":
         data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
         config_cls, trainer_cls, extra = trl.SFTConfig, trl.SFTTrainer, {"learning_rate": 2e-4}
     else:
         data = Dataset.from_list(rows)
         # 4 pairs a step: a DPO step runs the policy on both replies and the reference too (3x SFT's forwards)
-        config_cls, trainer_cls, extra = trl.DPOConfig, trl.DPOTrainer, {"learning_rate": 1e-4, "beta": 0.1,
-                                                                          "per_device_train_batch_size": 4}
-    extra.setdefault("per_device_train_batch_size", 8)
+        extra = {"learning_rate": 1e-4, "beta": 0.1, "per_device_train_batch_size": batch // 2}
+        config_cls, trainer_cls = trl.DPOConfig, trl.DPOTrainer
+    extra.setdefault("per_device_train_batch_size", batch)
     config = config_cls(output_dir=args.output_dir or f"outputs/{args.algorithm}",
                         max_steps=args.steps, logging_steps=5, report_to="none", save_strategy="no",
                         bf16=cuda, use_cpu=not cuda, seed=args.seed, **extra)  # fmt: skip
@@ -80,7 +103,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    after = evaluate(model, tokenizer, held_out, max_new_tokens=24)
+    after = evaluate(model, tokenizer, held_out, max_new_tokens=new_tokens)
     model.save_pretrained(config.output_dir)
     result = {"algorithm": args.algorithm, "steps": args.steps, "train_seconds": round(seconds, 1),
               "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"]}  # fmt: skip

@@ -8,12 +8,14 @@ if [ ! -x "$PY" ]; then
   python3 -m venv --system-site-packages "$VENV"
 fi
 STAMP="$VENV/.slimrl-installed"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+# a change to any of these re-runs the install
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" "$ROOT/scripts/install_torch.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "slimrl: installing into $VENV (first run only) ..." >&2
   "$PY" -m pip install -q --upgrade pip >&2
-  # torch first, pinned to the CPU build on disk where none is installed: a bare `torch` would pull GBs of CUDA.
-  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0" >&2
+  # torch first, pinned, where none is importable: the CPU build unless an NVIDIA GPU is here (PyPI's Linux torch
+  # pulls GBs of CUDA), from PyTorch's CPU index or, where that can't be reached, the default one
+  bash "$ROOT/scripts/install_torch.sh" "$PY" "torch==2.13.0" >&2
   "$PY" -m pip install -q -e "$ROOT[dev,demo]" >&2
   # DeepSpeed, for the ZeRO-3 tests: built against the torch above (no isolated build, which would fetch another
   # torch), none of its ops compiled now (the few it needs are built at first use).
