@@ -1,8 +1,10 @@
 """slimrl's GRPO trainer: TRL's GRPOTrainer with a chunked training step and input validation.
 
 Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
-- `__init__`: TRL's signature; validates what TRL lets through (dataset columns, reward functions, context length)
-  after TRL's own checks, and wraps reward functions so a failing one names itself.
+- `__init__`: TRL's signature; validates what TRL lets through (dataset columns, context length) after TRL's own
+  checks, and wraps reward functions so a failing one names itself (trainers/rewards_guard.py).
+- `_calculate_rewards` (from `CheckedRewardsMixin`, shared with RLOO): TRL's, then the values of every reward source
+  are checked together (an infinite reward, or a batch no function scored, is an error; None and NaN abstain).
 - `_generate_single_turn` (from `EngineRolloutMixin`, trainers/engine_rollouts.py, shared with RLOO): rollouts from
   slimrl's engine (live weights, no copy) when that backend is chosen.
 - `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once) with the
@@ -26,9 +28,10 @@ from slimrl.trainers.async_rollouts import AsyncRolloutMixin
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, run_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.dataset_checks import check_prompt_datasets
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.grpo_config import GRPOConfig, with_slimrl_fields
-from slimrl.trainers.grpo_inputs import check_context_length, check_dataset, is_multimodal
+from slimrl.trainers.grpo_inputs import check_context_length, is_multimodal
 from slimrl.trainers.grpo_loss import (
     LOSS_TYPES,
     TOKEN_SUM_LOSSES,
@@ -39,7 +42,7 @@ from slimrl.trainers.grpo_loss import (
 )
 from slimrl.trainers.grpo_metrics import ENTROPY_STATS, POLICY_LOSS, append_metrics, chunk_metrics
 from slimrl.trainers.resume import ResumableTrainerMixin
-from slimrl.trainers.rewards_guard import guard_reward_funcs
+from slimrl.trainers.rewards_guard import CheckedRewardsMixin, guard_reward_funcs
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; importable from here as before
 
@@ -62,7 +65,7 @@ class _MicroBatch:
 
 
 class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, AsyncRolloutMixin, EngineRolloutMixin,
-                  trl.GRPOTrainer):
+                  CheckedRewardsMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *positional, **kwargs):
@@ -70,7 +73,8 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         # TRL's signature and defaults; slimrl's checks run after TRL's own, so TRL's errors keep their text
         args = with_slimrl_fields(args, model)
         super().__init__(model, reward_funcs, args, train_dataset, *positional, **kwargs)
-        check_dataset(train_dataset, "train_dataset", self.environment_factories is not None)
+        # with environment_factory an environment may produce the prompt (TRL's datasets then carry `environment`)
+        check_prompt_datasets(train_dataset, self.eval_dataset, "GRPO", self.environment_factories is not None)
         check_context_length(self.model, self.args.max_completion_length)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names)
         self._apply_memory_savers()

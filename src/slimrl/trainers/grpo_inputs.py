@@ -1,5 +1,6 @@
-"""What GRPOTrainer checks in its inputs that TRL lets through: the dataset and the context length (at
-construction), and which batches are multimodal (those run through TRL's one-piece loss)."""
+"""What GRPOTrainer checks in its inputs that TRL lets through: the context length (at construction; the dataset's
+columns are checked in dataset_checks.py, shared by the online trainers), and which batches are multimodal (those run
+through TRL's one-piece loss)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,6 @@ MULTIMODAL_KEYS = (
 
 def is_multimodal(values) -> bool:
     return any(values.get(key) is not None for key in MULTIMODAL_KEYS)
-
-
-def check_dataset(dataset, name: str, has_environments: bool = False) -> None:
-    columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, dict):  # a DatasetDict passed where a split was expected
-        raise ValueError(
-            f"{name} is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. {name}=dataset['train']."
-        )
-    # with environment_factory an environment may produce the prompt (TRL's datasets then carry `environment`)
-    if columns is not None and "prompt" not in columns and not has_environments:
-        raise ValueError(
-            f"{name} has columns {columns} but GRPO needs a 'prompt' column (a string, or a list of chat messages). "
-            f"Rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
-        )
 
 
 def check_context_length(model, max_completion_length: int | None) -> None:

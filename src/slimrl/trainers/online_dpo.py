@@ -3,8 +3,11 @@ chunked training step.
 
 Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
 - `__init__`: TRL's signature; `args=None` or a plain trl OnlineDPOConfig gets slimrl's fields; after TRL's setup it
-  installs TRL's fused LM head on the policy (and on a separate reference model), turns on the memory savers and
-  picks the rollout backend (EngineRolloutMixin's choice; TRL's online DPO has no continuous batching).
+  checks the datasets' 'prompt' column, wraps the reward functions so a failing one names itself
+  (trainers/rewards_guard.py), installs TRL's fused LM head on the policy (and on a separate reference model), turns
+  on the memory savers and picks the rollout backend (EngineRolloutMixin's choice; no continuous batching in TRL's).
+- `_calculate_rewards_from_functions`: TRL's, with the values of every reward source recorded and checked together
+  (an infinite reward, or a pair neither of whose completions any function scored, is an error).
 - `_generate`: with the "engine" backend, slimrl's rollout engine samples the two completions of every prompt with
   the training weights and the live LoRA adapter; other backends and image prompts go to TRL's path.
 - `training_step` (`ChunkedOnlineDPOStep`, trainers/online_dpo_step.py): the pairs run forward and backward in
@@ -24,9 +27,11 @@ from trl.experimental import online_dpo as _trl_online_dpo
 
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.dataset_checks import check_prompt_datasets
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.online_dpo_step import ChunkedOnlineDPOStep
 from slimrl.trainers.paired_forward import fused_head_obstacle
+from slimrl.trainers.rewards_guard import RewardRecorder, check_pairs_scored, guard_reward_funcs
 from slimrl.trainers.rollout_fields import RolloutFields, with_rollout_fields
 from slimrl.trainers.slim_fields import SlimFields
 
@@ -56,6 +61,9 @@ class OnlineDPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin
         super().__init__(model, ref_model, reward_funcs, args, data_collator, train_dataset, eval_dataset,
                          processing_class, reward_processing_classes, peft_config, compute_metrics, callbacks,
                          optimizers, preprocess_logits_for_metrics)  # fmt: skip
+        check_prompt_datasets(train_dataset, eval_dataset, "online DPO")
+        self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, "online DPO",
+                                               supports_async=False)  # fmt: skip
         self._fused_head_obstacle = fused_head_obstacle(self.accelerator.unwrap_model(self.model))
         if self.ref_model is not None:
             self._ref_head_obstacle = fused_head_obstacle(self.accelerator.unwrap_model(self.ref_model))
@@ -66,6 +74,14 @@ class OnlineDPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin
     def max_completion_length(self) -> int:
         """The engine's token budget per completion: TRL's max_new_tokens."""
         return self.args.max_new_tokens
+
+    def _calculate_rewards_from_functions(self, prompts, completions, completion_ids_list, **reward_kwargs):
+        # contract: TRL's [2B] weighted sums of the reward sources' values (NaN abstentions left out), unchanged
+        with RewardRecorder(self.reward_funcs) as recorder:
+            rewards = super()._calculate_rewards_from_functions(prompts, completions, completion_ids_list,
+                                                                **reward_kwargs)  # fmt: skip
+        check_pairs_scored(recorder.table(len(prompts)), self.reward_func_names)
+        return rewards
 
     def _generate(self, model, prompts, images=None):
         # contract: TRL's (prompt ids [2B, P] left-padded and their mask, completion ids [2B, C] padded after the

@@ -38,10 +38,11 @@ from slimrl.trainers import value_model as vm
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, chunk_sequences, plan_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.dataset_checks import check_prompt_column
 from slimrl.trainers.finite import drop_gradients, trainable_parameters
 from slimrl.trainers.ppo_config import PPOConfig, check_train_dataset
 from slimrl.trainers.resume import ResumableTrainerMixin
-from slimrl.trainers.rewards_guard import guard_reward_funcs
+from slimrl.trainers.rewards_guard import check_reward_table, guard_reward_funcs
 
 __all__ = ["PPOConfig", "PPOTrainer"]
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         args = args if args is not None else PPOConfig(f"{model.config._name_or_path.split('/')[-1]}-PPO")
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a slimrl.PPOConfig (PPO's settings live there), got {type(args).__name__}.")
+        check_prompt_column(train_dataset, "train_dataset", "PPO")
         check_train_dataset(train_dataset, args)
         self.ref_model = vm.reference_model(model, ref_model, args.kl_coef)
         for module in (model, value_model, self.ref_model):
@@ -111,7 +113,7 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
                              "list[float], and/or reward models (a *ForSequenceClassification with one label).")
         self.reward_func_names = [(f.config._name_or_path or type(f).__name__).split("/")[-1] if isinstance(
             f, nn.Module) else f.__name__ for f in funcs]  # fmt: skip
-        self.reward_funcs = guard_reward_funcs(funcs, self.reward_func_names)
+        self.reward_funcs = guard_reward_funcs(funcs, self.reward_func_names, "PPO", supports_async=False)
         for func in funcs:
             if isinstance(func, nn.Module):
                 func.to(self.accelerator.device).eval()
@@ -244,7 +246,8 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         return output.completion_ids
 
     def _scores(self, rows: list[dict], prompts: list, completion_ids: list[list[int]]) -> tuple[torch.Tensor, dict]:
-        """The weighted sum [N] of the reward functions' values (None: abstain, counted as 0), and each one's mean."""
+        """The weighted sum [N] of the reward functions' values (None or NaN: abstain, left out of the sum; a completion
+        no function scored gets 0), and each one's mean. No reward at all in the rollout, or an infinite one, raises."""
         from trl.data_utils import is_conversational
 
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -256,12 +259,15 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
                                          strict=True):  # fmt: skip
             if isinstance(func, nn.Module):
                 scores = _reward_model_scores(func, tokenizer, prompts, completions, conversational)
-            else:
-                scores = torch.tensor([math.nan if v is None else float(v) for v in func(
-                    prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)])  # fmt: skip
+            else:  # the guard (rewards_guard.py) reads the output as TRL does: float32, NaN where it abstains
+                func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                scores = func.last_rewards
             values.append(scores.float().cpu())
             means[f"rewards/{name}"] = self._mean_across(scores.nanmean())
-        return (torch.stack(values, 1) * self.reward_weights).nansum(1), means
+        table = torch.stack(values, 1)  # [N, F]
+        # every process's values, so that all of them raise together
+        check_reward_table(self.accelerator.gather(table.to(self.accelerator.device)).cpu(), self.reward_func_names)
+        return (table * self.reward_weights).nansum(1), means
 
     def _rollout_metrics(self, scores, rewards: pm.TokenRewards, old_logps, batch) -> dict[str, float]:
         """TRL 0.x's rollout metrics: per-sequence sums over the completion's tokens, averaged over sequences. Each

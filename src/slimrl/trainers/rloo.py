@@ -5,8 +5,11 @@ generated, clipped PPO-style, times the sequence's leave-one-out advantage, aver
 A sum over sequences divided by a count known before the first chunk, so it splits into chunks of sequences exactly.
 
 Overrides, each for one reason (and each keeping TRL's contract, said in a `contract:` line beside it):
-- `__init__`: TRL's signature; gives a plain trl.RLOOConfig slimrl's fields, then sets up the memory savers and
-  picks the rollout backend.
+- `__init__`: TRL's signature; gives a plain trl.RLOOConfig slimrl's fields; after TRL's setup it checks the
+  datasets' 'prompt' column, wraps the reward functions so a failing one names itself (trainers/rewards_guard.py),
+  sets up the memory savers and picks the rollout backend.
+- `_calculate_rewards` (from `CheckedRewardsMixin`, shared with GRPO): TRL's, then the values of every reward source
+  are checked together (an infinite reward, or a batch no function scored, is an error; None and NaN abstain).
 - `_generate_single_turn` (from `EngineRolloutMixin`, trainers/engine_rollouts.py, shared with GRPO): rollouts from
   slimrl's engine (live weights and LoRA, no copy) when that backend is chosen.
 - `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once), each
@@ -32,9 +35,11 @@ from trl.trainer.utils import nanmax, nanmin
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.dataset_checks import check_prompt_datasets
 from slimrl.trainers.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.grpo_inputs import is_multimodal
 from slimrl.trainers.resume import ResumableTrainerMixin
+from slimrl.trainers.rewards_guard import CheckedRewardsMixin, guard_reward_funcs
 from slimrl.trainers.rollout_fields import RolloutFields, with_rollout_fields
 from slimrl.trainers.slim_fields import SlimFields
 
@@ -52,7 +57,8 @@ class RLOOConfig(RolloutFields, SlimFields, trl.RLOOConfig):
     generation_backend, deterministic_rollouts), after TRL's fields."""
 
 
-class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, trl.RLOOTrainer):
+class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, CheckedRewardsMixin,
+                  trl.RLOOTrainer):
     """TRL's RLOOTrainer whose rollouts may come from slimrl's engine and whose training step runs in chunks of
     sequences. Same constructor, same results."""
 
@@ -66,6 +72,8 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config,
                          peft_config)  # fmt: skip
+        check_prompt_datasets(train_dataset, eval_dataset, "RLOO")
+        self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, "RLOO")
         self._apply_memory_savers()
         self._choose_generation_backend()
 
