@@ -204,11 +204,12 @@ def render_w1(b: dict[str, Source]) -> str:
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
     after, before = b["w3_after"], b["w3_before"]
     measured = "sides.slimrl.mean_after_first."
+    remeasured = max(length for length, row in rows.items() if b["short"] in row["sources"])
     note = (
         f"The same loss and gradient norm as TRL where TRL fits (largest relative differences "
-        f"{differ['loss']:.0e} and {differ['grad_norm']:.0e}). This table was measured before issue 29 "
-        f"changed how the checkpoint hands its weights' gradients to autograd, and has not been re-measured since. "
-        f"The nearest figure after the change, W3's training phase at N = {after.get('world_size')} "
+        f"{differ['loss']:.0e} and {differ['grad_norm']:.0e}). The rows up to {remeasured:,} tokens "
+        f"were measured after issue 29 changed how the checkpoint hands its weights' gradients to autograd, the "
+        f"longer ones before it. W3's training phase at N = {after.get('world_size')} "
         f"({after.get('settings.num_generations')} completions of {after.get('settings.completion_length'):,} "
         f"tokens): {after.get(measured + 'training_s'):.3f} s and {gib(after.get(measured + 'peak_GiB'))} "
         f"({after.label}, `{after.file}`), against {before.get(measured + 'training_s'):.3f} s and "

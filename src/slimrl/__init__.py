@@ -36,6 +36,7 @@ _LAZY = {
     "RewardConfig": "slimrl.trainers.reward",
     "NonFiniteError": "slimrl.trainers.finite",
     "EngineOutputError": "slimrl.rollout.engine",
+    "save_pretrained_gguf": "slimrl.models.gguf_export",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -229,6 +229,18 @@ def _save_pretrained_merged(
     return save_merged(self, tokenizer, save_directory, dtype=dtype, overwrite=overwrite)
 
 
+def _save_pretrained_gguf(
+    self, save_directory, tokenizer=None, quantization_method: str | list[str] = "q8_0", overwrite: bool = False,
+    push_to_hub: bool = False,
+) -> str | list[str]:  # fmt: skip
+    """Unsloth's `model.save_pretrained_gguf(path, tokenizer, quantization_method=...)`; see gguf_export.py."""
+    from slimrl.models.gguf_export import save_pretrained_gguf
+
+    return save_pretrained_gguf(self, save_directory, tokenizer, quantization_method=quantization_method,
+                                overwrite=overwrite, push_to_hub=push_to_hub)  # fmt: skip
+
+
 def attach_save_methods(model) -> None:
-    """Give the (peft) model Unsloth's `save_pretrained_merged` method, bound to the model itself."""
+    """Give the model Unsloth's `save_pretrained_merged` and `save_pretrained_gguf` methods, bound to the model."""
     model.save_pretrained_merged = types.MethodType(_save_pretrained_merged, model)
+    model.save_pretrained_gguf = types.MethodType(_save_pretrained_gguf, model)
