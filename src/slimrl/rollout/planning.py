@@ -25,6 +25,11 @@ def bucket(batch: int) -> int:
     return 8 * math.ceil(batch / 8)
 
 
+def bucket_below(rows: int) -> int:
+    """The largest bucket size not above `rows` (>= 1): a wave of that many rows gets a cache of exactly that many."""
+    return 8 * (rows // 8) if rows >= 8 else 1 << (rows.bit_length() - 1)
+
+
 def cache_length(prompt_length: int, longest_limit: int, max_seq_len: int) -> int:
     """Cache columns of a wave: its padded prompt length plus its longest completion, rounded up to SEQ_ROUND (within
     max_seq_len). With left padding a short prompt's completion can reach past max_seq_len columns."""
@@ -73,28 +78,55 @@ def bytes_per_row(decoder, seq_len: int) -> int:
     return seq_len * per_token + decoder.vocab_size * 16
 
 
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(total bytes, bytes this process has allocated) of a CUDA device; None elsewhere: off CUDA no budget applies
+    (the CPU's memory is the host's, shared with everything else)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory, torch.cuda.memory_allocated(device)
+
+
+def rows_within_budget(total_bytes: int, allocated_bytes: int, held_bytes: int, row_bytes: int,
+                       gpu_memory_utilization: float) -> int:  # fmt: skip
+    """Rows of `row_bytes` each that fit when the process may use gpu_memory_utilization x total_bytes in all. What is
+    allocated counts against it, except held_bytes (the engine's current cache, freed before the new one is made).
+    0 when not even one fits."""
+    budget = gpu_memory_utilization * total_bytes - (allocated_bytes - held_bytes)
+    return max(0, int(budget // row_bytes))
+
+
 def rows_that_fit(decoder, seq_len: int, max_batch_size: int, gpu_memory_utilization: float | None,
                   held_bytes: int) -> int:  # fmt: skip
-    """How many rows of this cache length fit the gpu_memory_utilization budget (max_batch_size if none). held_bytes:
-    what the engine holds now that the new wave would free first (its current cache)."""
-    if gpu_memory_utilization is None or decoder.device.type != "cuda":
+    """How many rows of this cache length fit the gpu_memory_utilization budget (`rows_within_budget`), rounded down
+    to a bucket (a wave's cache has its bucket's rows, so 5 fitting rows make a wave of 4, not a cache of 8), at most
+    max_batch_size; max_batch_size when there is no budget (None, or a device `device_memory` does not measure).
+    held_bytes: what the engine holds now that the new wave would free first (its current cache)."""
+    memory = device_memory(decoder.device) if gpu_memory_utilization is not None else None
+    if memory is None:
         return max_batch_size
-    total = torch.cuda.get_device_properties(decoder.device).total_memory
-    budget = gpu_memory_utilization * total - (torch.cuda.memory_allocated(decoder.device) - held_bytes)
-    rows = int(budget // bytes_per_row(decoder, seq_len))
+    total, allocated = memory
+    row_bytes = bytes_per_row(decoder, seq_len)
+    rows = rows_within_budget(total, allocated, held_bytes, row_bytes, gpu_memory_utilization)
     if rows < 1:
+        in_use = (allocated - held_bytes) / 2**30
         raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for even one sequence of {seq_len} "
-            "tokens; raise it, or lower max_seq_len / max_new_tokens."
+            f"gpu_memory_utilization={gpu_memory_utilization} allows {gpu_memory_utilization * total / 2**30:.2f} GiB "
+            f"of this GPU's {total / 2**30:.2f} GiB; with {in_use:.2f} GiB in use already (weights, optimizer state) "
+            f"that leaves no room for one sequence of {seq_len} cache columns ({row_bytes / 2**20:.1f} MiB): raise it "
+            "(FastLanguageModel.from_pretrained(..., gpu_memory_utilization=...)), or lower max_seq_length / "
+            "max_new_tokens."
         )
-    return min(rows, max_batch_size)
+    return min(bucket_below(rows), max_batch_size)
 
 
 def waves(order: list[int], prompts, limits: list[int], fit) -> Iterator[list[int]]:
-    """Consecutive groups of `order` (prompt indices, longest first) that `fit(seq_len)` rows each can hold."""
+    """Consecutive groups of `order` (prompt indices, longest first unless sampling draws in prompt order) that
+    `fit(seq_len)` rows each can hold; seq_len is the longest prompt plus the longest limit still to come, so a
+    wave's rows are never more than fit its cache."""
     start = 0
     while start < len(order):
-        seq_len = len(prompts[order[start]]) + max(limits[i] for i in order[start:])
+        rest = order[start:]
+        seq_len = max(len(prompts[i]) for i in rest) + max(limits[i] for i in rest)
         rows = fit(seq_len)
         yield order[start : start + rows]
         start += rows

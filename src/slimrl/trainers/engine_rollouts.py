@@ -31,7 +31,9 @@ class EngineRolloutMixin:
     single_turn_returns_logprobs: bool = True
 
     def _choose_generation_backend(self) -> None:
-        from slimrl.trainers.generation import choose_backend
+        """Who generates (`generation_backend`): the config's generation_backend, the model's fast_inference and what
+        the engine can serve decide it (trainers/generation.py choose_backend); an impossible demand fails here."""
+        from slimrl.trainers.generation import choose_backend, engine_refusal, fast_inference_of
 
         self._rollout_engine = None
         device = getattr(self.args, "generation_device", None)
@@ -45,21 +47,26 @@ class EngineRolloutMixin:
             check_generation_device(device, self.accelerator.unwrap_model(self.model), self.accelerator.num_processes,
                                     sharded_training(self.accelerator))  # fmt: skip
         requested = "engine" if device is not None else self.args.generation_backend
+        model = self.accelerator.unwrap_model(self.model)
+        fast_inference = fast_inference_of(model)  # FastLanguageModel.from_pretrained(fast_inference=True)
         self._generation_backend, reason = choose_backend(
             requested,
-            self.accelerator.unwrap_model(self.model),
+            model,
             use_vllm=self.use_vllm,
             # TRL's online DPO has no continuous-batching switch: there it is off
             use_continuous_batching=getattr(self.args, "use_transformers_continuous_batching", False),
             generation_kwargs=self.args.generation_kwargs,
+            fast_inference=fast_inference,
         )
         if self._generation_backend == "engine" and device is None and sharded_training(self.accelerator):
             problem = self._sharded_engine_problem()
-            if problem is not None and requested == "engine":
-                raise ValueError(f"generation_backend='engine': {problem}.")
+            if problem is not None and (requested == "engine" or fast_inference):
+                raise engine_refusal("generation_backend" if requested == "engine" else "fast_inference", problem)
             if problem is not None:
                 self._generation_backend, reason = "transformers", problem
-        if self.args.generation_backend == "auto" and self._generation_backend != "engine":
+        if self._generation_backend == "engine":
+            logger.info("slimrl: rollouts from slimrl's engine (%s).", reason)
+        elif self.args.generation_backend == "auto" and not fast_inference:  # (choose_backend warned about that)
             # on CUDA the engine was expected, so the fallback is worth a warning; on CPU it is the plan
             log = logger.warning if torch.cuda.is_available() else logger.info
             log("slimrl: rollouts use TRL's %s path, not slimrl's engine: %s.", self._generation_backend, reason)
@@ -120,9 +127,11 @@ class EngineRolloutMixin:
                                                        deterministic=self.args.deterministic_rollouts)  # fmt: skip
             return self._rollout_engine
         from slimrl.rollout.engine import RolloutEngine
+        from slimrl.trainers.generation import engine_memory_utilization
 
-        memory = getattr(options, "gpu_memory_utilization", None) if getattr(options, "fast_inference", False) else None
-        self._rollout_engine = RolloutEngine(model, max_seq_len=max_seq_len, gpu_memory_utilization=memory,
+        # the waves (and so the KV cache) stay within from_pretrained's gpu_memory_utilization, fast_inference or not
+        self._rollout_engine = RolloutEngine(model, max_seq_len=max_seq_len,
+                                             gpu_memory_utilization=engine_memory_utilization(model),
                                              tokenizer=self._tokenizer,
                                              deterministic=self.args.deterministic_rollouts)  # fmt: skip
         return self._rollout_engine

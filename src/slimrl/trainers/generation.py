@@ -2,7 +2,9 @@
 
 Backends: "engine" (slimrl's rollout engine, decoding with the training weights in place), "transformers" (TRL's
 default `generate` path, or its continuous batching when `use_transformers_continuous_batching`), "vllm" (TRL's own
-vLLM integration), and "auto": the engine on CUDA when the model is supported, else TRL's path.
+vLLM integration), and "auto": the engine on CUDA when the model is supported, else TRL's path. A model loaded with
+FastLanguageModel.from_pretrained(fast_inference=True) turns "auto" into a demand for the engine (on the CPU too, where
+it runs its eager path); a config that names another backend still wins, with a warning.
 """
 
 from __future__ import annotations
@@ -19,33 +21,85 @@ BACKENDS = ("auto", "engine", "transformers", "vllm")
 # TRL's generation_kwargs (vLLM SamplingParams-style) that the engine understands; others are refused by name.
 _ENGINE_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "stop_token_ids",
                          "seed", "max_tokens")  # fmt: skip
+# The engine's memory budget for a model not loaded by FastLanguageModel (which records its own, default 0.5): the
+# whole GPU, so a wave is never planned past the device's memory.
+WHOLE_GPU = 1.0
+
+
+def fast_inference_of(model) -> bool:
+    """Whether `model` (peft-wrapped or not; a model id string is not) was loaded with fast_inference=True."""
+    return bool(getattr(getattr(model, "slimrl_options", None), "fast_inference", False))
+
+
+def engine_memory_utilization(model) -> float:
+    """The fraction of the GPU the engine's waves may fill (RolloutEngine's gpu_memory_utilization): the model's
+    FastLanguageModel.from_pretrained value (default 0.5), with fast_inference or without; WHOLE_GPU otherwise."""
+    value = getattr(getattr(model, "slimrl_options", None), "gpu_memory_utilization", None)
+    return WHOLE_GPU if value is None else float(value)
+
+
+def engine_refusal(demanded_by: str, why: str) -> ValueError:
+    """The error for an engine that was asked for (by the config or by fast_inference) and cannot serve the run."""
+    if demanded_by == "fast_inference":
+        return ValueError(
+            f"fast_inference=True asks for slimrl's rollout engine, which cannot serve this run: {why}. Load the model "
+            "with fast_inference=False (rollouts then use TRL's transformers path), or set "
+            "generation_backend='transformers' in the config."
+        )
+    return ValueError(f"generation_backend='engine' cannot serve this run: {why}. Use 'transformers'.")
 
 
 def choose_backend(
-    requested: str, model, *, use_vllm: bool, use_continuous_batching: bool, generation_kwargs: dict | None = None
+    requested: str,
+    model,
+    *,
+    use_vllm: bool,
+    use_continuous_batching: bool,
+    generation_kwargs: dict | None = None,
+    fast_inference: bool = False,
 ) -> tuple[str, str]:
-    """(backend, reason) for this trainer. An explicit "engine" that cannot serve the settings is an error."""
+    """(backend, reason) for this trainer. The engine asked for explicitly ("engine") or by fast_inference=True under
+    "auto" is an error when it cannot serve the settings (`engine_refusal`); a config naming another backend
+    (generation_backend, use_vllm, use_transformers_continuous_batching) wins over fast_inference, with a warning."""
     if requested not in BACKENDS:
         raise ValueError(f"generation_backend must be one of {BACKENDS}, got {requested!r}.")
-    if requested == "vllm" or use_vllm:
-        return "vllm", "vLLM requested"
-    if requested == "transformers" or use_continuous_batching:
-        return "transformers", "transformers requested"
+    named, setting = _named_backend(requested, use_vllm, use_continuous_batching)
+    if named is not None:
+        if fast_inference:
+            logger.warning("slimrl: %s in the config overrides the model's fast_inference=True: rollouts use TRL's %s "
+                           "path, not slimrl's engine.", setting, named)  # fmt: skip
+        return named, f"{setting} requested"
     from slimrl.rollout.engine import supports
 
     supported, why = supports(model)
     unknown = sorted(set(generation_kwargs or {}) - set(_ENGINE_SAMPLING_KEYS))
     if supported and unknown:
         supported, why = False, f"generation_kwargs {unknown} are transformers-only"
-    if requested == "engine":
+    if requested == "engine" or fast_inference:
+        demanded_by = "generation_backend" if requested == "engine" else "fast_inference"
         if not supported:
-            raise ValueError(f"generation_backend='engine' cannot serve this run: {why}. Use 'transformers'.")
-        return "engine", "engine requested"
+            raise engine_refusal(demanded_by, why)
+        if not torch.cuda.is_available():
+            return "engine", f"{demanded_by} asks for the engine; no CUDA device, so its eager path runs"
+        return "engine", f"{demanded_by} asks for the engine"
     if not torch.cuda.is_available():
         return "transformers", "no CUDA device: the engine's captured decode step needs one"
     if not supported:
         return "transformers", why
     return "engine", "CUDA and a supported architecture"
+
+
+def _named_backend(requested: str, use_vllm: bool, use_continuous_batching: bool) -> tuple[str | None, str]:
+    """(TRL backend, the setting that names it) when the config names one of TRL's paths, else (None, "")."""
+    if requested == "vllm":
+        return "vllm", "generation_backend='vllm'"
+    if use_vllm:
+        return "vllm", "use_vllm=True"
+    if requested == "transformers":
+        return "transformers", "generation_backend='transformers'"
+    if use_continuous_batching:
+        return "transformers", "use_transformers_continuous_batching=True"
+    return None, ""
 
 
 def engine_sampling_params(trainer, device: torch.device):

@@ -98,11 +98,12 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         self._metrics = {"train": defaultdict(list)}
         self._step, self._episode, self._buffered_inputs = 0, 0, None
         self._step_sums: torch.Tensor | None = None  # [len(STEP_STATS) + 1] token sums of the optimizer step so far
-        from slimrl.trainers.generation import choose_backend
+        from slimrl.trainers.generation import choose_backend, fast_inference_of
 
         self._rollout_engine = None
         self.generation_backend, reason = choose_backend(args.generation_backend, model, use_vllm=False,
-                                                         use_continuous_batching=False)  # fmt: skip
+                                                         use_continuous_batching=False,
+                                                         fast_inference=fast_inference_of(model))  # fmt: skip
         logger.info("slimrl PPO: rollouts from %s (%s).", self.generation_backend, reason)
         self._apply_memory_savers()
 
@@ -231,10 +232,12 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
     def _engine_generate(self, policy, prompt_ids: list[list[int]]) -> list[list[int]]:
         from slimrl.rollout.engine import RolloutEngine
         from slimrl.rollout.sampling import SamplingParams
+        from slimrl.trainers.generation import engine_memory_utilization
 
         if self._rollout_engine is None:
             options = getattr(policy, "slimrl_options", None)
             self._rollout_engine = RolloutEngine(policy, max_seq_len=getattr(options, "max_seq_length", None),
+                                                 gpu_memory_utilization=engine_memory_utilization(policy),
                                                  tokenizer=self.processing_class,
                                                  deterministic=self.args.deterministic_rollouts)  # fmt: skip
         engine, args = self._rollout_engine, self.args

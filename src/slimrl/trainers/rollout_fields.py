@@ -8,9 +8,12 @@ and its `__post_init__` checks them before SlimFields and TRL check theirs. `wit
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 
 from slimrl.trainers.slim_fields import with_slim_fields
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,7 +25,9 @@ class RolloutFields:
         metadata={
             "help": "Who generates the rollouts: 'engine' (slimrl's rollout engine, decoding with the training "
             "weights and the live LoRA adapter in place), 'transformers' (TRL's generate path), 'vllm' (TRL's vLLM "
-            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's."
+            "integration, same as use_vllm=True), or 'auto': the engine on CUDA for the Llama family, else TRL's; "
+            "with a model loaded by FastLanguageModel.from_pretrained(fast_inference=True), 'auto' means the engine "
+            "(an error when it cannot serve the run), and use_vllm=True means it too, as in Unsloth."
         },
     )
     deterministic_rollouts: bool = field(
@@ -103,11 +108,28 @@ def check_rollout_fields(args) -> None:
 def with_rollout_fields(args, model, config_class, suffix: str):
     """`with_slim_fields` for a config class with RolloutFields: a config that lacks them (a plain TRL one) also
     gains the rollout fields at their defaults. (with_slim_fields counts every base but SlimFields as TRL's, so it
-    would leave these out.)"""
+    would leave these out.) It runs before TRL's __init__, so use_vllm is settled here
+    (`fast_inference_takes_use_vllm`)."""
     args = with_slim_fields(args, model, config_class, suffix)
     if not isinstance(args, config_class):
         for spec in fields(RolloutFields):
             if not hasattr(args, spec.name):
                 setattr(args, spec.name, spec.default)
         check_rollout_fields(args)
+    fast_inference_takes_use_vllm(args, model)
     return args
+
+
+def fast_inference_takes_use_vllm(args, model) -> None:
+    """Unsloth's scripts set use_vllm=True beside from_pretrained(fast_inference=True), meaning "generate with the
+    model's own fast engine" (Unsloth hands TRL the vLLM engine the model carries). Here slimrl's in-process engine
+    is that engine: with such a model and generation_backend left at 'auto', use_vllm is turned off before TRL's
+    __init__ reads it (TRL would start its own vLLM integration) and the engine is chosen. TRL's vLLM stays one
+    setting away: generation_backend='vllm'. Without fast_inference, use_vllm=True is TRL's vLLM, as in TRL."""
+    from slimrl.trainers.generation import fast_inference_of
+
+    if getattr(args, "use_vllm", False) and args.generation_backend == "auto" and fast_inference_of(model):
+        logger.warning("slimrl: use_vllm=True with a model loaded with fast_inference=True: rollouts come from "
+                       "slimrl's engine (Unsloth's fast_inference); generation_backend='vllm' selects TRL's vLLM "
+                       "integration instead.")  # fmt: skip
+        args.use_vllm = False
