@@ -52,3 +52,50 @@ def test_nothing_outside_the_rollout_package_reads_the_engines_private_attribute
                 if "engine" in owner.lower():
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {owner}.{node.attr}")
     assert not found, "the engine's private attributes read outside slimrl/rollout:\n" + "\n".join(found)
+
+
+# The packages from the bottom up (DESIGN.md): each may import only its own layer and those below it, at module level
+# or inside a function alike; the package root (patching, the demo, the CLI, testing helpers) sits above them all.
+LAYERS = ["ops", "models", "rollout", "distributed", "trainers"]
+
+
+def slimrl_imports(tree: ast.AST):
+    """(line, module) for every absolute import of a slimrl module in `tree`, `from slimrl import x` as slimrl.x."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names if alias.name.startswith("slimrl."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "slimrl":
+                yield from ((node.lineno, f"slimrl.{alias.name}") for alias in node.names)
+            elif node.module.startswith("slimrl."):
+                yield node.lineno, node.module
+
+
+def upward_imports(path: Path, root: Path = SRC) -> list[str]:
+    layer = path.relative_to(root).parts[0]
+    if layer not in LAYERS:
+        return []
+    found = []
+    for line, module in sorted(slimrl_imports(ast.parse(path.read_text()))):
+        target = module.split(".")[1]
+        if target not in LAYERS or LAYERS.index(target) > LAYERS.index(layer):
+            found.append(f"{path.relative_to(root)}:{line} imports {module}")
+    return found
+
+
+def test_no_package_imports_from_a_higher_layer():
+    found = [hit for path in python_files(SRC) for hit in upward_imports(path)]
+    assert not found, "imports against the layering (ops < models < rollout < distributed < trainers):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_layering_check_sees_function_level_and_root_imports(tmp_path):
+    # the two forms upward imports took before: inside a function (models/saving.py -> trainers/finite.py) and from
+    # the package root; a same-layer and a lower-layer import pass
+    (tmp_path / "models").mkdir()
+    module = tmp_path / "models" / "example.py"
+    module.write_text("from slimrl.ops.fused import x\nfrom slimrl.models import lora\n\n\ndef f():\n"
+                      "    from slimrl.trainers.finite import NonFiniteError\n\n\nfrom slimrl import testing\n")
+    assert upward_imports(module, root=tmp_path) == ["models/example.py:6 imports slimrl.trainers.finite",
+                                                     "models/example.py:9 imports slimrl.testing"]

@@ -34,7 +34,7 @@ _LAZY = {
     "OnlineDPOConfig": "slimrl.trainers.online_dpo",
     "RewardTrainer": "slimrl.trainers.reward",
     "RewardConfig": "slimrl.trainers.reward",
-    "NonFiniteError": "slimrl.trainers.finite",
+    "NonFiniteError": "slimrl.ops.finite",
     "EngineOutputError": "slimrl.rollout.engine",
     "save_pretrained_gguf": "slimrl.models.gguf_export",
 }

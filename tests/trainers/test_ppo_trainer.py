@@ -159,7 +159,7 @@ def test_target_kl_drops_the_step_past_it_and_skips_the_rest_of_the_rollout(monk
 
 
 def test_a_nan_loss_is_caught_before_the_optimizer_step(monkeypatch):
-    from slimrl.trainers.finite import NonFiniteError
+    from slimrl.ops.finite import NonFiniteError
 
     original = PPOTrainer._chunk_loss
 

@@ -25,7 +25,7 @@ import torch
 from slimrl.models.gguf_tokenizer import GgufVocab, gguf_vocab
 from slimrl.models.saving import merged_state_dict
 from slimrl.models.unwrap import hf_model
-from slimrl.trainers.finite import NonFiniteError, nonfinite_tensors
+from slimrl.ops.finite import NonFiniteError, nonfinite_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 
 from slimrl.models.quantization import dequantized_weight, is_quantized_linear
 from slimrl.models.unwrap import hf_model
-from slimrl.trainers.finite import NonFiniteError, nonfinite_tensors, refuse_nonfinite_weights
+from slimrl.ops.finite import NonFiniteError, nonfinite_tensors, refuse_nonfinite_weights
 
 SAVE_METHODS = ("lora", "merged_16bit", "merged_32bit")
 MARKER = "slimrl_save.json"  # marks a directory slimrl wrote, which a later save may replace

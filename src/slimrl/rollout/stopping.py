@@ -88,7 +88,7 @@ def check_output(rows: list, vocab_size: int, model=None) -> None:
         if not bad_ids and not bad_logprobs:
             continue
         what = f"token ids {bad_ids[:3]} outside [0, {vocab_size})" if bad_ids else "a NaN or infinite log-prob"
-        from slimrl.trainers.finite import nonfinite_tensors
+        from slimrl.ops.finite import nonfinite_tensors
 
         broken = nonfinite_tensors(list(model.named_parameters())) if model is not None else []
         cause = (f"the model's weights hold NaN or infinite values ({', '.join(broken)}): an earlier optimizer step "

@@ -16,7 +16,7 @@ import logging
 from accelerate.utils import DistributedType
 
 from slimrl.ops.attention_backends import training_attention
-from slimrl.trainers.finite import NonFiniteError, StepFiniteness, drop_gradients, refuse_nonfinite_weights
+from slimrl.ops.finite import NonFiniteError, StepFiniteness, drop_gradients, refuse_nonfinite_weights
 
 logger = logging.getLogger(__name__)
 

@@ -33,13 +33,13 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
+from slimrl.ops.finite import drop_gradients, trainable_parameters
 from slimrl.trainers import ppo_math as pm
 from slimrl.trainers import value_model as vm
 from slimrl.trainers.base import SlimTrainerMixin
 from slimrl.trainers.chunked_step import Chunk, chunk_sequences, plan_chunks, take
 from slimrl.trainers.chunked_trainer import ChunkedTrainerMixin
 from slimrl.trainers.dataset_checks import check_prompt_column
-from slimrl.trainers.finite import drop_gradients, trainable_parameters
 from slimrl.trainers.ppo_config import PPOConfig, check_train_dataset
 from slimrl.trainers.resume import ResumableTrainerMixin
 from slimrl.trainers.rewards_guard import check_reward_table, guard_reward_funcs

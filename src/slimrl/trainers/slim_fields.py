@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from slimrl.trainers.finite import check_on_nonfinite
+from slimrl.ops.finite import check_on_nonfinite
 
 
 def setting(default, help_text: str):

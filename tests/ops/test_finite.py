@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import slimrl
-from slimrl.trainers.finite import StepFiniteness, nonfinite_tensors
+from slimrl.ops.finite import StepFiniteness, nonfinite_tensors
 from tests.trainers.grpo_harness import build_trainer
 
 POISONED_STEP = 2  # the 0-based optimizer step whose loss or gradient is made NaN
