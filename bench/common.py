@@ -50,7 +50,7 @@ class Report(dict):
         self.setdefault("problems", [])
 
     def save(self) -> None:
-        from slimrl.demo import write_json  # slimrl's atomic JSON write (a reader never sees half a file)
+        from slimrl.cli.demo import write_json  # slimrl's atomic JSON write (a reader never sees half a file)
 
         write_json(self.path, self, indent=1)
 

@@ -1,10 +1,10 @@
 """GGUF round trip on the demo's task: does the exported file answer as the trained model does?
 
-Trains the demo (slimrl.demo.run_demo: GRPO on SmolLM2-135M-Instruct's arithmetic, --steps steps) or takes an adapter
-a demo run saved (--adapter DIR), loads it on its base and scores held-out accuracy with the demo's greedy evaluation
-(slimrl.demo.evaluate); exports the merged model with `slimrl.save_pretrained_gguf` (q8_0 by default), loads the
-file back with transformers' own GGUF loader (AutoModelForCausalLM / AutoTokenizer with gguf_file=..., nothing of
-slimrl in between) in the trained model's dtype and device, and scores it again on the same problems. Recorded: both
+Trains the demo (slimrl.cli.demo.run_demo: GRPO on SmolLM2-135M-Instruct's arithmetic, --steps steps) or takes an
+adapter a demo run saved (--adapter DIR), loads it on its base and scores held-out accuracy with the demo's greedy
+evaluation (slimrl.cli.demo.evaluate); exports the merged model with `slimrl.save_pretrained_gguf` (q8_0 by default),
+loads the file back with transformers' own GGUF loader (AutoModelForCausalLM / AutoTokenizer with gguf_file=..., nothing
+of slimrl in between) in the trained model's dtype and device, and scores it again on the same problems. Recorded: both
 accuracies and their difference, the file's size, export and reload times, the versions and the command. A drop in
 accuracy larger than --max-drop is reported as a problem.
 
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def demo_settings(args, output_dir: Path):
-    from slimrl.demo import DemoSettings
+    from slimrl.cli.demo import DemoSettings
 
     settings = DemoSettings(model=args.model, steps=args.steps, output_dir=str(output_dir), eval_size=args.eval_size,
                             max_completion_length=args.max_completion_length, device=args.device,
@@ -65,7 +65,7 @@ def trained_model(settings, adapter: str, device: str):
     """The demo's base with the saved adapter on it, as the demo loads the base (same dtype and device)."""
     from peft import PeftModel
 
-    from slimrl.demo import load_model
+    from slimrl.cli.demo import load_model
 
     model, tokenizer = load_model(settings, device)  # base + a fresh LoRA of the demo's shape
     base = model.unload()  # the fresh LoRA off again: the saved adapter goes on the plain base
@@ -87,7 +87,7 @@ def gguf_model(path: str, dtype: torch.dtype, device: str):
 
 def round_trip(args, report: Report, work: Path) -> None:
     from slimrl import save_pretrained_gguf
-    from slimrl.demo import demo_datasets, evaluate, resolve_device, run_demo
+    from slimrl.cli.demo import demo_datasets, evaluate, resolve_device, run_demo
 
     device = resolve_device(args.device)
     settings = demo_settings(args, work / "demo")

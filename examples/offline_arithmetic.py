@@ -74,9 +74,9 @@ def main(argv=None) -> dict:
     import trl
     from datasets import Dataset
 
+    from slimrl.cli.demo import evaluate
     from slimrl.data import arithmetic_dataset
     from slimrl.data.arithmetic import arithmetic_rows
-    from slimrl.demo import evaluate
 
     torch.manual_seed(args.seed)
     cuda = torch.cuda.is_available() and not args.smoke

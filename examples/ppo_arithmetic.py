@@ -1,7 +1,7 @@
 """PPO with slimrl on the embedded model (SmolLM2-135M-Instruct) and the demo's arithmetic reward, CPU or GPU.
 
-The demo's task and rewards (slimrl.demo: a correct final answer, one short line ending with the number) and its
-held-out measure (greedy replies to problems never trained on, `slimrl.demo.evaluate`), trained with slimrl's own
+The demo's task and rewards (slimrl.cli.demo: a correct final answer, one short line ending with the number) and its
+held-out measure (greedy replies to problems never trained on, `slimrl.cli.demo.evaluate`), trained with slimrl's own
 PPOTrainer: a value head on the LoRA policy, the reference by disabling the adapter, per-token KL penalty, GAE,
 whitened advantages, clipped policy and value losses. The default run (8 rollouts of 16 problems, 16 optimizer
 steps) took 425 s on 2 CPU cores shared with other work and moved held-out accuracy from 48% to 64%.
@@ -78,8 +78,8 @@ def main(argv=None) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     from slimrl import FastLanguageModel
+    from slimrl.cli.demo import evaluate, resolve_device, set_cpu_threads
     from slimrl.data import arithmetic_dataset
-    from slimrl.demo import evaluate, resolve_device, set_cpu_threads
     from slimrl.rewards import exact_answer_reward, format_reward
     from slimrl.trainers.ppo import PPOConfig, PPOTrainer
 

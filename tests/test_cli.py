@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slimrl.cli import build_parser, main
-from slimrl.demo_report import accuracy_line
+from slimrl.cli.demo_report import accuracy_line
 
 TINY_DEMO = ["demo", "--model", "tiny", "--steps", "2", "--eval-size", "4", "--num-generations", "4",
              "--max-completion-length", "8", "--device", "cpu"]  # fmt: skip
@@ -141,7 +141,7 @@ def test_on_nonfinite_skip_skips_the_step_and_records_it(tmp_path, monkeypatch):
 
 def test_generation_backend_and_on_nonfinite_flags_reach_the_trainers_config(tmp_path):
     from slimrl import GRPOConfig
-    from slimrl.demo import DemoSettings, grpo_config_kwargs
+    from slimrl.cli.demo import DemoSettings, grpo_config_kwargs
 
     args = build_parser().parse_args(["demo", "--generation-backend", "engine", "--on-nonfinite", "skip"])
     settings = DemoSettings(**{k: v for k, v in vars(args).items() if k != "command"})

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
+from slimrl.cli.demo import DemoSettings, evaluate, nonfinite_skipped_steps, resolve_device, set_cpu_threads, write_json
+from slimrl.cli.demo_report import demo_logs, moving_average, plot_history, step_line
 from slimrl.data import arithmetic_dataset
-from slimrl.demo import DemoSettings, evaluate, nonfinite_skipped_steps, resolve_device, set_cpu_threads, write_json
-from slimrl.demo_report import demo_logs, moving_average, plot_history, step_line
 
 
 def test_default_settings_are_valid_and_bad_ones_name_the_flag():
@@ -120,7 +120,7 @@ def test_write_json_replaces_the_file_whole(tmp_path):
 
 def test_an_adapter_with_nonfinite_weights_is_not_saved_and_the_refusal_is_recorded(tmp_path, monkeypatch):
     from slimrl import FastLanguageModel, NonFiniteError
-    from slimrl.demo import _save_adapter
+    from slimrl.cli.demo import _save_adapter
 
     def refuse(*args, **kwargs):
         raise NonFiniteError("these weights hold NaN")

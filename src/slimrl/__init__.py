@@ -36,6 +36,7 @@ _LAZY = {
     "RewardConfig": "slimrl.trainers.reward",
     "NonFiniteError": "slimrl.ops.finite",
     "EngineOutputError": "slimrl.rollout.engine",
+    "RewardFunctionError": "slimrl.trainers.rewards_guard",
     "save_pretrained_gguf": "slimrl.models.gguf_export",
 }
 

@@ -1,4 +1,4 @@
-"""The `slimrl` command. `slimrl demo` runs the main job (see README); the demo's logic lives in slimrl.demo."""
+"""The `slimrl` command. `slimrl demo` runs the main job (see README); the demo's logic lives in slimrl.cli.demo."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ settings.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from slimrl.cli.demo import ALGORITHMS, DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
     from slimrl.data import DIFFICULTIES
-    from slimrl.demo import ALGORITHMS, DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
 
     defaults = DemoSettings()
     parser = argparse.ArgumentParser(
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "demo":
-        from slimrl.demo import DemoSettings, run_demo
+        from slimrl.cli.demo import DemoSettings, run_demo
 
         settings = DemoSettings(**{k: v for k, v in vars(args).items() if k != "command"})
         try:
@@ -99,5 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

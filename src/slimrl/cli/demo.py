@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from slimrl.cli.demo_report import accuracy_line, plot_history, print_summary, progress_callback, quiet, record_run
 from slimrl.data import DIFFICULTIES, arithmetic_dataset, split_size
-from slimrl.demo_report import accuracy_line, plot_history, print_summary, progress_callback, quiet, record_run
 from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, is_in_format, normalise_number
 
 TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own tests
