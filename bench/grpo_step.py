@@ -99,7 +99,7 @@ SIDES = {  # JSON key -> (whose trainer, which algorithm)
 # limit still has them); the speedup is the second side's seconds over the first's
 RUNS = {"grpo": ("slimrl", "trl"), "rloo": ("slimrl_rloo", "trl_rloo"), "ppo": ("slimrl_ppo", "slimrl_grpo")}
 # A gradient-free pass timed on its own, inside the training phase: algorithm -> (module, function, step field)
-SCORING_PASSES = {"ppo": ("slimrl.trainers.value_model", "score_rollout", "scoring_pass_s")}
+SCORING_PASSES = {"ppo": ("slimrl.trainers.ppo.value_model", "score_rollout", "scoring_pass_s")}
 GROUP = 8  # completions per prompt (GRPO and RLOO); W3's batch is one group
 PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
 SUMMARY_KEYS = (*PHASE_KEYS, "peak_GiB", "loss", "reward", "completion_mean_length")
@@ -419,7 +419,7 @@ def run_side(kind: str, steps: int, args, data, side: dict, save, cuda: bool) ->
     raised."""
     from transformers import PrinterCallback
 
-    from slimrl.trainers.step_timer import StepTimer
+    from slimrl.trainers.common.step_timer import StepTimer
 
     algorithm = SIDES[kind][1]
     fields = log_fields(algorithm)
@@ -619,7 +619,8 @@ def build_data(args) -> dict:
 
 
 TIMING = (
-    "per optimizer step, on_step_begin to on_step_end, CUDA-synchronised (slimrl.trainers.step_timer): generation = "
+    "per optimizer step, on_step_begin to on_step_end, CUDA-synchronised (slimrl.trainers.common.step_timer): "
+    "generation = "
     "_generate_single_turn, reward = _calculate_rewards, training = the rest of the step. Peak memory is reset when "
     "generation starts and ends: generation_peak_GiB and training_peak_GiB (reward + training) per step; slimrl's own "
     "logged peak_gpu_memory_GiB therefore covers the training phase only"

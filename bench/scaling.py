@@ -13,8 +13,8 @@ Sides, one after the other in the same process group, each on a freshly built mo
   slimrl_device_async  the same with async_generation=True (the next step generated while this one trains)
   slimrl_full  with --full-finetune: slimrl's GRPOTrainer training every weight of W1's model (no LoRA); under an
                FSDP2 or ZeRO-3 config this is the sharded row (distributed_type, fsdp_version, zero_stage say which)
-Per step (slimrl.trainers.step_timer.StepTimer, as in grpo_step.py; rank 0's clock): seconds split into generation /
-reward / training; the step's completion tokens summed over all ranks over the slowest rank's step seconds
+Per step (slimrl.trainers.common.step_timer.StepTimer, as in grpo_step.py; rank 0's clock): seconds split into
+generation / reward / training; the step's completion tokens summed over all ranks over the slowest rank's step seconds
 (tokens_per_s); each rank's peak GPU memory (max_memory_allocated; null on the CPU); bytes moved per weight sync (the
 trainer's logged rollout/sync_bytes, else 0: the engine decodes with the training weights).
 
@@ -254,7 +254,7 @@ def run_side(kind: str, args, data: dict, side: dict, report: Report, cuda: bool
     """Build `kind`'s trainer, train it and fill `side`; an exception is recorded in `side`, not raised."""
     from transformers import PrinterCallback
 
-    from slimrl.trainers.step_timer import StepTimer
+    from slimrl.trainers.common.step_timer import StepTimer
 
     steps = args.trl_steps if kind == "trl" else args.steps
     side.update(status="running", steps_requested=steps, steps_run=0, steps=[])

@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     from slimrl.cli.demo import evaluate, resolve_device, set_cpu_threads
     from slimrl.data import arithmetic_dataset
     from slimrl.rewards import exact_answer_reward, format_reward
-    from slimrl.trainers.ppo import PPOConfig, PPOTrainer
+    from slimrl.trainers.ppo.trainer import PPOConfig, PPOTrainer
 
     device = resolve_device(args.device)
     threads = set_cpu_threads() if device == "cpu" else None

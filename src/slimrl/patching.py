@@ -28,7 +28,7 @@ class _Binding:
 def _trl_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
     """A trainer and its config exposed by `trl`, `trl.trainer` and their own modules (trl/trainer/<key>_*.py)."""
     where = ("trl", "trl.trainer")
-    module = f"slimrl.trainers.{key}"
+    module = f"slimrl.trainers.{key}.trainer"
     return (
         _Binding(trainer, (*where, f"trl.trainer.{key}_trainer"), module),
         _Binding(config, (*where, f"trl.trainer.{key}_config"), module),
@@ -38,7 +38,7 @@ def _trl_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
 def _experimental_pair(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
     """A trainer and its config under trl.experimental.<key> (ORPO, CPO, online DPO in TRL 1.16)."""
     package = f"trl.experimental.{key}"
-    module = f"slimrl.trainers.{key}"
+    module = f"slimrl.trainers.{key}.trainer"
     return (
         _Binding(trainer, (package, f"{package}.{key}_trainer"), module),
         _Binding(config, (package, f"{package}.{key}_config"), module),
@@ -47,8 +47,8 @@ def _experimental_pair(key: str, trainer: str, config: str) -> tuple[_Binding, .
 
 _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "grpo": (
-        _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo"),
-        _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo_config"),
+        _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo.trainer"),
+        _Binding("GRPOConfig", ("trl", "trl.trainer", "trl.trainer.grpo_config"), "slimrl.trainers.grpo.config"),
     ),
     "rloo": _trl_pair("rloo", "RLOOTrainer", "RLOOConfig"),
     "sft": _trl_pair("sft", "SFTTrainer", "SFTConfig"),
@@ -60,8 +60,8 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "online_dpo": _experimental_pair("online_dpo", "OnlineDPOTrainer", "OnlineDPOConfig"),
     # TRL 1.16 has no PPO: patching adds trl.PPOTrainer / trl.PPOConfig (slimrl's own), unpatch removes them
     "ppo": (
-        _Binding("PPOTrainer", ("trl", "trl.trainer"), "slimrl.trainers.ppo"),
-        _Binding("PPOConfig", ("trl", "trl.trainer"), "slimrl.trainers.ppo"),
+        _Binding("PPOTrainer", ("trl", "trl.trainer"), "slimrl.trainers.ppo.trainer"),
+        _Binding("PPOConfig", ("trl", "trl.trainer"), "slimrl.trainers.ppo.trainer"),
     ),
 }
 _ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)

@@ -66,7 +66,7 @@ def test_rloo_times_trls_and_slimrls_rloo_trainers(grpo_step, tmp_path):
     assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
     assert saved["algorithm"] == "rloo" and list(saved["sides"]) == ["slimrl_rloo", "trl_rloo"]
     assert saved["settings"]["num_generations"] == 8 and saved["settings"]["beta"] == 0.0
-    for kind, trainer in (("slimrl_rloo", "slimrl.trainers.rloo.RLOOTrainer"), ("trl_rloo", "RLOOTrainer")):
+    for kind, trainer in (("slimrl_rloo", "slimrl.trainers.rloo.trainer.RLOOTrainer"), ("trl_rloo", "RLOOTrainer")):
         side = saved["sides"][kind]
         assert side["trainer"].endswith(trainer) and side["trainer"].split(".")[0] == kind.split("_")[0]
         assert_timed_steps(side, 2)
@@ -84,7 +84,8 @@ def test_ppo_times_slimrls_ppo_beside_its_grpo_at_the_same_batch(grpo_step, tmp_
     assert list(saved["sides"]) == ["slimrl_ppo", "slimrl_grpo"]
     assert saved["settings"]["ppo"]["prompts_per_step"] * saved["settings"]["ppo"]["completions_per_prompt"] == 8
     ppo, grpo = saved["sides"]["slimrl_ppo"], saved["sides"]["slimrl_grpo"]
-    assert ppo["trainer"] == "slimrl.trainers.ppo.PPOTrainer" and grpo["trainer"] == "slimrl.trainers.grpo.GRPOTrainer"
+    assert ppo["trainer"] == "slimrl.trainers.ppo.trainer.PPOTrainer"
+    assert grpo["trainer"] == "slimrl.trainers.grpo.trainer.GRPOTrainer"
     assert_timed_steps(ppo, 2)
     assert_timed_steps(grpo, 2)
     for step in ppo["steps"]:  # the value/reference scoring pass is timed on its own, inside the training phase

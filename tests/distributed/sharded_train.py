@@ -59,7 +59,7 @@ def local_numel(parameter) -> int:
 def watch_gathers() -> list[dict]:
     """Records, for every rollout of slimrl's engine, whether every weight was whole inside `whole_weights` and
     sharded again after it."""
-    from slimrl.trainers import engine_rollouts
+    from slimrl.trainers.rollouts import engine_rollouts
 
     records: list[dict] = []
     original = engine_rollouts.whole_weights

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from slimrl.rollout.engine import RolloutEngine, SamplingParams
 from slimrl.testing import tiny_model, tiny_tokenizer
-from slimrl.trainers.engine_rollouts import EngineRolloutMixin
+from slimrl.trainers.rollouts.engine_rollouts import EngineRolloutMixin
 from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import build_trainer
 

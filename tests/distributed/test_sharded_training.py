@@ -42,7 +42,7 @@ def test_two_process_sharded_training_matches_trl(tmp_path, mode, port, distribu
 
 def test_a_model_too_large_to_gather_is_refused_before_training(monkeypatch):
     from slimrl.distributed import sharded
-    from slimrl.trainers import engine_rollouts
+    from slimrl.trainers.rollouts import engine_rollouts
     from tests.trainers.grpo_harness import build_trainer
 
     monkeypatch.setattr(engine_rollouts, "sharded_training", lambda accelerator: True)
@@ -56,7 +56,7 @@ def test_a_model_too_large_to_gather_is_refused_before_training(monkeypatch):
 
 
 def test_fsdp1_is_refused_for_the_engine_by_name(monkeypatch):
-    from slimrl.trainers import engine_rollouts
+    from slimrl.trainers.rollouts import engine_rollouts
     from tests.trainers.grpo_harness import build_trainer
 
     monkeypatch.setattr(engine_rollouts, "sharded_training", lambda accelerator: True)
@@ -89,7 +89,7 @@ def test_offload_settings_follow_who_reduces_the_gradients():
 
     from accelerate.utils import DistributedType
 
-    from slimrl.trainers.chunked_trainer import offload_settings
+    from slimrl.trainers.common.chunked_trainer import offload_settings
 
     def accelerator(kind, stage=None, processes=2):
         return SimpleNamespace(distributed_type=kind, num_processes=processes, state=SimpleNamespace(

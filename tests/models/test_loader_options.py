@@ -17,7 +17,7 @@ from slimrl.rollout import planning
 from slimrl.rollout.engine import RolloutEngine
 from slimrl.rollout.sampling import SamplingParams
 from slimrl.testing import tiny_model, tiny_tokenizer
-from slimrl.trainers.rollout_fields import fast_inference_takes_use_vllm
+from slimrl.trainers.rollouts.rollout_fields import fast_inference_takes_use_vllm
 from tests.models.helpers import CONTEXT, save_tiny
 from tests.trainers.grpo_harness import build_trainer
 

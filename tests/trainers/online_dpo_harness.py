@@ -11,7 +11,7 @@ from trl.experimental import online_dpo as trl_online_dpo
 
 import slimrl
 from slimrl.testing import EOS, tiny_config, tiny_model, tiny_prompt_dataset, tiny_tokenizer
-from slimrl.trainers.online_dpo_step import rank_pairs
+from slimrl.trainers.online_dpo.step import rank_pairs
 from tests.trainers.run_settings import CPU_RUN
 
 PAIRS = 4  # prompts per micro-batch: 8 completions

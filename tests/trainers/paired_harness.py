@@ -56,7 +56,8 @@ def trainer_classes(algorithm: str, kind: str):
 
         module = orpo if algorithm == "orpo" else cpo
     else:
-        from slimrl.trainers import cpo, orpo
+        from slimrl.trainers.cpo import trainer as cpo
+        from slimrl.trainers.orpo import trainer as orpo
 
         module = orpo if algorithm == "orpo" else cpo
     prefix = algorithm.upper()

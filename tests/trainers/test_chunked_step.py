@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from slimrl.trainers.chunked_step import Chunk, add_stats, plan_chunks, run_chunks, take
+from slimrl.trainers.common.chunked_step import Chunk, add_stats, plan_chunks, run_chunks, take
 from tests.tolerances import assert_close
 
 # Six completions of up to 5 tokens. A row's length is its last unmasked column + 1 (right padding is what a chunk

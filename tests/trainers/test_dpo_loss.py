@@ -1,4 +1,4 @@
-"""DPO's loss math (slimrl.trainers.dpo_loss) against values worked out by hand on two pairs.
+"""DPO's loss math (slimrl.trainers.dpo.loss) against values worked out by hand on two pairs.
 
 Log-ratios are chosen as logs of small integers so that every sigmoid is a fraction: sigmoid(ln 3) = 3/4,
 sigmoid(-ln 3) = 1/4, sigmoid(2 ln 3) = 9/10, sigmoid(0) = 1/2.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from slimrl.trainers.dpo_loss import (
+from slimrl.trainers.dpo.loss import (
     PairTerms,
     PreferenceLossSettings,
     chunk_loss,

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from slimrl.trainers.grpo_loss import (
+from slimrl.trainers.grpo.loss import (
     PolicyLossSettings,
     gamma_weights,
     importance_log_weights,
@@ -184,7 +184,7 @@ def test_vespo_weight_is_one_on_policy():
 
 
 def test_off_policy_mask_drops_negative_sequences_that_drifted_from_the_sampler():
-    from slimrl.trainers.grpo_loss import off_policy_mask
+    from slimrl.trainers.grpo.loss import off_policy_mask
 
     logps = torch.zeros(3, 2)
     sampling = torch.tensor([[0.1, 0.3], [0.1, 0.1], [2.0, 2.0]])  # per-token KL estimate: sampling - logp

@@ -8,9 +8,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from slimrl.trainers.chunked_step import Chunk, add_stats
-from slimrl.trainers.grpo_loss import ChunkLossTerms
-from slimrl.trainers.grpo_metrics import append_metrics, chunk_metrics, mean_parts
+from slimrl.trainers.common.chunked_step import Chunk, add_stats
+from slimrl.trainers.grpo.loss import ChunkLossTerms
+from slimrl.trainers.grpo.metrics import append_metrics, chunk_metrics, mean_parts
 
 # Row 0 (advantage +1) and row 1 (advantage -1), ratios 0.5, 1.0, 2.0; row 1's last token is padding.
 RATIO = torch.tensor([[0.5, 1.0, 2.0], [0.5, 1.0, 2.0]])

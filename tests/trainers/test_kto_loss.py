@@ -1,5 +1,5 @@
-"""KTO's loss and metric math (trainers/kto_loss.py) and the batch helpers of trainers/kto.py, against values worked
-out by hand."""
+"""KTO's loss and metric math (trainers/kto/loss.py) and the batch helpers of trainers/kto/trainer.py, against values
+worked out by hand."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from slimrl.trainers import kto_loss
-from slimrl.trainers.chunked_step import plan_by_length
-from slimrl.trainers.kto import rows_of, sequence_lengths
+from slimrl.trainers.common.chunked_step import plan_by_length
+from slimrl.trainers.kto import loss as kto_loss
+from slimrl.trainers.kto.trainer import rows_of, sequence_lengths
 from tests.tolerances import assert_close
 
 LOGRATIOS = [2.0, -1.0]  # a desirable row, then an undesirable one

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimrl.trainers.memory import HEADROOM, ChunkCosts, bytes_per_token, choose_num_chunks, chunk_bytes
+from slimrl.trainers.common.memory import HEADROOM, ChunkCosts, bytes_per_token, choose_num_chunks, chunk_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

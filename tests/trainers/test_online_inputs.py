@@ -1,5 +1,6 @@
 """The dataset checks every online trainer (GRPO, RLOO, online DPO, PPO) runs at construction
-(trainers/dataset_checks.py): without them TRL builds the trainer, then fails at train() with KeyError: 'prompt'."""
+(trainers/common/dataset_checks.py):
+without them TRL builds the trainer, then fails at train() with KeyError: 'prompt'."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from slimrl.testing import tiny_tokenizer
-from slimrl.trainers.cpo import cpo_pair_terms
-from slimrl.trainers.orpo import log1mexp, odds_ratio_terms
+from slimrl.trainers.cpo.trainer import cpo_pair_terms
+from slimrl.trainers.orpo.trainer import log1mexp, odds_ratio_terms
 from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import lora_tiny_model
 from tests.trainers.paired_harness import (

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from slimrl.trainers import ppo_math as pm
+from slimrl.trainers.ppo import losses as pm
 from tests.tolerances import assert_close
 
 JUNK = 1e6  # what masked positions hold in these tests: it must never reach a result

@@ -13,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
 from slimrl.testing import tiny_model, tiny_prompt_dataset, tiny_tokenizer
-from slimrl.trainers import value_model as vm
-from slimrl.trainers.ppo import PPOConfig, PPOTrainer
-from slimrl.trainers.value_model import VALUE_HEAD_FILE, PolicyAndValue
+from slimrl.trainers.ppo import value_model as vm
+from slimrl.trainers.ppo.trainer import PPOConfig, PPOTrainer
+from slimrl.trainers.ppo.value_model import VALUE_HEAD_FILE, PolicyAndValue
 from tests.tolerances import assert_close
 
 TRL_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -266,8 +266,8 @@ def test_reward_models_and_conversational_prompts():
 def test_chunked_lm_head_log_probs_equal_the_plain_reference():
     # the training forward's log-probs and entropies (vocabulary tiles, no [b, t, V] logits) against the plain
     # formula on the full logits, at a temperature, for left-padded rows
-    from slimrl.trainers import ppo_math as pm
-    from slimrl.trainers.value_model import completion_states, policy_logprobs
+    from slimrl.trainers.ppo import losses as pm
+    from slimrl.trainers.ppo.value_model import completion_states, policy_logprobs
 
     policy = lora_policy()
     ids = torch.tensor([[0, 0, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11]])

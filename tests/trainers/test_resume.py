@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slimrl.testing import tiny_prompt_dataset
-from slimrl.trainers.resume import RESUME_STATE_NAME
+from slimrl.trainers.common.resume import RESUME_STATE_NAME
 from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import build_trainer, lora_tiny_model
 from tests.trainers.test_grpo_train_parity import NOT_COMPARED, digit_reward, length_reward

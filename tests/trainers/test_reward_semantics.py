@@ -1,7 +1,7 @@
 """TRL's reward semantics in every slimrl trainer that takes reward functions (GRPO, RLOO, online DPO, PPO): None and
 NaN abstain exactly as in unpatched TRL, NumPy arrays and tensors are read as TRL reads them, and what TRL would turn
 into a silent NaN/inf or a crash deep inside fails with slimrl's error naming the function, the completion and the
-fix (trainers/rewards_guard.py)."""
+fix (trainers/common/rewards_guard.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slimrl.testing import tiny_prompt_dataset, tiny_tokenizer
-from slimrl.trainers.rewards_guard import RewardFunctionError, RewardRecorder, guard_reward_funcs
+from slimrl.trainers.common.rewards_guard import RewardFunctionError, RewardRecorder, guard_reward_funcs
 from tests.tolerances import assert_close
 from tests.trainers import grpo_harness, online_dpo_harness, rloo_harness
 from tests.trainers.step_compare import assert_same_step

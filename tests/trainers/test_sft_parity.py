@@ -14,7 +14,7 @@ import torch
 
 import slimrl
 from slimrl.testing import tiny_tokenizer
-from slimrl.trainers.sft_chunks import packed_chunk_inputs, packed_lengths, plan_packed
+from slimrl.trainers.sft.chunks import packed_chunk_inputs, packed_lengths, plan_packed
 from tests.trainers.sft_harness import (
     GENERATION_CHATML,
     assert_same_curves,

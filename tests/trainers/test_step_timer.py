@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from slimrl.trainers.step_timer import StepTimer
+from slimrl.trainers.common.step_timer import StepTimer
 from tests.trainers.grpo_harness import build_trainer
 
 REWARD_SLEEP_S = 0.05

@@ -258,7 +258,7 @@ def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Pat
                    save, show: bool = True) -> tuple:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback
 
-    from slimrl.trainers.step_timer import StepTimer
+    from slimrl.trainers.common.step_timer import StepTimer
 
     timer = StepTimer()
     trainer_class, config_class, kwargs = _algorithm(settings, out / "trainer", device)
@@ -278,17 +278,17 @@ def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Pat
 def _algorithm(settings: DemoSettings, output_dir: Path, device: str) -> tuple[type, type, dict]:
     """The trainer class, its config class and the config's settings for `settings.algorithm`."""
     if settings.algorithm == "ppo":
-        from slimrl.trainers.ppo import PPOConfig, PPOTrainer
+        from slimrl.trainers.ppo.trainer import PPOConfig, PPOTrainer
 
         return PPOTrainer, PPOConfig, ppo_config_kwargs(settings, output_dir, device)
     kwargs = grpo_config_kwargs(settings, output_dir, device)
     if settings.algorithm == "rloo":
-        from slimrl.trainers.rloo import RLOOConfig, RLOOTrainer
+        from slimrl.trainers.rloo.trainer import RLOOConfig, RLOOTrainer
 
         del kwargs["loss_type"]  # RLOO has one loss
         return RLOOTrainer, RLOOConfig, kwargs
-    from slimrl.trainers.grpo import GRPOTrainer
-    from slimrl.trainers.grpo_config import GRPOConfig
+    from slimrl.trainers.grpo.config import GRPOConfig
+    from slimrl.trainers.grpo.trainer import GRPOTrainer
 
     return GRPOTrainer, GRPOConfig, kwargs
 

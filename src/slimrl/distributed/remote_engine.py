@@ -4,7 +4,7 @@ rollout, only the trainable tensors (the LoRA adapter): megabytes, not the merge
 
 It has the local engine's `generate(prompts, params, max_new_tokens)` and `release()`, plus `submit` / `collect`
 for one request in flight, which is how `async_generation` overlaps the next step's rollout with this step's
-training (trainers/async_rollouts.py).
+training (trainers/rollouts/async_rollouts.py).
 """
 
 from __future__ import annotations

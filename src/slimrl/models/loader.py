@@ -50,8 +50,8 @@ class LoadOptions:
     which forwards attribute access to the base model).
 
     Loading itself does not use `fast_inference`, `gpu_memory_utilization` or `max_lora_rank`: fast_inference makes
-    the generating trainers choose the rollout engine (trainers/generation.py), gpu_memory_utilization bounds the
-    engine's waves and KV cache (rollout/planning.py), max_lora_rank caps get_peft_model's `r` (models/lora.py).
+    the generating trainers choose the rollout engine (trainers/rollouts/generation.py), gpu_memory_utilization bounds
+    the engine's waves and KV cache (rollout/planning.py), max_lora_rank caps get_peft_model's `r` (models/lora.py).
     """
 
     max_seq_length: int

@@ -1,0 +1,36 @@
+"""`num_chunks="auto"`: how many chunks a micro-batch is split into, from the memory the step may use."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
+    """Chunks for sequences of these token lengths. On CPU memory is not the constraint: one piece."""
+    if device.type != "cuda":
+        return 1
+    from slimrl.models.checkpointing import offload_state
+    from slimrl.trainers.common.memory import ChunkCosts, choose_num_chunks
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = offload_state(model)  # the model's own offloading settings, when it has them
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    # gradients the step's first backward will allocate (those already there are outside the free memory)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    costs = ChunkCosts(
+        model.config,
+        dtype=model.dtype,
+        offloaded=state is not None,
+        mlp_tile_tokens=state.mlp_tile_tokens if state is not None else 0,
+        gradient_bytes=gradient_bytes,
+        min_offload_bytes=state.min_offload_bytes if state is not None else 0,
+    )
+    choice = choose_num_chunks(costs, lengths, free_bytes)
+    if getattr(trainer, "_last_auto_chunks", None) != choice.num_chunks:
+        logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)
+        trainer._last_auto_chunks = choice.num_chunks
+    return choice.num_chunks

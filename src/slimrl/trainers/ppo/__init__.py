@@ -1,0 +1,1 @@
+"""PPO (slimrl's own trainer) and its value model."""

@@ -1,0 +1,1 @@
+"""How a trainer reaches the rollout engine: backend choice, in-process and remote engine, async rollouts."""
