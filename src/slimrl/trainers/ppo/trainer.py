@@ -230,16 +230,11 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         return [vm.cut_at_eos(row, self.eos_token_ids) for row in completions]
 
     def _engine_generate(self, policy, prompt_ids: list[list[int]]) -> list[list[int]]:
-        from slimrl.rollout.engine import RolloutEngine
         from slimrl.rollout.sampling import SamplingParams
-        from slimrl.trainers.rollouts.generation import engine_memory_utilization
+        from slimrl.trainers.rollouts.generation import local_engine
 
         if self._rollout_engine is None:
-            options = getattr(policy, "slimrl_options", None)
-            self._rollout_engine = RolloutEngine(policy, max_seq_len=getattr(options, "max_seq_length", None),
-                                                 gpu_memory_utilization=engine_memory_utilization(policy),
-                                                 tokenizer=self.processing_class,
-                                                 deterministic=self.args.deterministic_rollouts)  # fmt: skip
+            self._rollout_engine = local_engine(policy, self.processing_class, self.args.deterministic_rollouts)
         engine, args = self._rollout_engine, self.args
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=False,
                                 stop_token_ids=self.eos_token_ids,

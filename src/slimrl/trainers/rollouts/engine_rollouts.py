@@ -127,14 +127,9 @@ class EngineRolloutMixin:
             self._rollout_engine = RemoteRolloutEngine(model, self.args.generation_device, max_seq_len,
                                                        deterministic=self.args.deterministic_rollouts)  # fmt: skip
             return self._rollout_engine
-        from slimrl.rollout.engine import RolloutEngine
-        from slimrl.trainers.rollouts.generation import engine_memory_utilization
+        from slimrl.trainers.rollouts.generation import local_engine
 
-        # the waves (and so the KV cache) stay within from_pretrained's gpu_memory_utilization, fast_inference or not
-        self._rollout_engine = RolloutEngine(model, max_seq_len=max_seq_len,
-                                             gpu_memory_utilization=engine_memory_utilization(model),
-                                             tokenizer=self._tokenizer,
-                                             deterministic=self.args.deterministic_rollouts)  # fmt: skip
+        self._rollout_engine = local_engine(model, self._tokenizer, self.args.deterministic_rollouts)
         return self._rollout_engine
 
     def _engine_params(self):

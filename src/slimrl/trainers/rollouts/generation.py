@@ -38,6 +38,16 @@ def engine_memory_utilization(model) -> float:
     return WHOLE_GPU if value is None else float(value)
 
 
+def local_engine(model, tokenizer, deterministic: bool):
+    """An in-process RolloutEngine over `model`'s live weights, sized as from_pretrained recorded: its max_seq_length
+    (None: the model's context) and its gpu_memory_utilization for the waves and KV cache, fast_inference or not."""
+    from slimrl.rollout.engine import RolloutEngine
+
+    max_seq_len = getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
+    return RolloutEngine(model, max_seq_len=max_seq_len, gpu_memory_utilization=engine_memory_utilization(model),
+                         tokenizer=tokenizer, deterministic=deterministic)  # fmt: skip
+
+
 def engine_refusal(demanded_by: str, why: str) -> ValueError:
     """The error for an engine that was asked for (by the config or by fast_inference) and cannot serve the run."""
     if demanded_by == "fast_inference":
