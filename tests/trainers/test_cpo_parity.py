@@ -28,6 +28,7 @@ from tests.trainers.paired_harness import (
     train_log,
     trainer_classes,
 )
+from tests.trainers.trainer_cache import TrainerCache
 
 TRLCPOTrainer, TRLCPOConfig = trainer_classes("cpo", "trl")
 CPOTrainer, CPOConfig = trainer_classes("cpo", "slimrl")
@@ -42,7 +43,7 @@ CASES = [
     ("sigmoid_without_nll", dict(loss_type="sigmoid", cpo_alpha=0.0)),
 ]
 
-_trainers: dict[str, tuple] = {}
+_trainers: dict[str, tuple] = TrainerCache()
 
 
 def trainers(case_id: str, config: dict, dataset=None):

@@ -29,6 +29,7 @@ from tests.trainers.dpo_harness import (
     preference_dataset,
     train_log,
 )
+from tests.trainers.trainer_cache import TrainerCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ CASES = [
     ("qwen2_ld_alpha_wpo", dict(arch="qwen2", ld_alpha=0.3, use_weighting=True), 1),
 ]
 
-_trainers: dict[str, tuple] = {}  # case id -> (slimrl trainer, batch, TRL's result)
+_trainers: dict[str, tuple] = TrainerCache()  # case id -> (slimrl trainer, batch, TRL's result)
 
 
 def _case(case_id: str, options: dict, accumulation: int):

@@ -11,6 +11,7 @@ import torch
 
 from tests.trainers.grpo_harness import build_trainer, generated_batch, loss_grads_metrics
 from tests.trainers.step_compare import assert_same_step
+from tests.trainers.trainer_cache import TrainerCache
 
 # (case id, config, batch options, accumulation steps)
 CASES = [
@@ -58,7 +59,7 @@ CASES = [
     ("qwen2_dr_grpo", dict(loss_type="dr_grpo", arch="qwen2"), dict(old_logps=True), 1),
 ]
 
-_trainer_cache: dict[tuple[str, str], object] = {}
+_trainer_cache: dict[tuple[str, str], object] = TrainerCache()
 
 
 def _trainers(case_id: str, config: dict):
@@ -72,8 +73,6 @@ def _trainers(case_id: str, config: dict):
             _trainer_cache[key] = build_trainer(kind, arch=arch, **config)
         pair.append(_trainer_cache[key])
     return pair
-
-
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2, 8])

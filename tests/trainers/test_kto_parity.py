@@ -16,6 +16,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from tests.tolerances import assert_close
 from tests.trainers.kto_harness import build_trainer, first_batch, kto_dataset, loss_grads_metrics
 from tests.trainers.step_compare import assert_same_step
+from tests.trainers.trainer_cache import TrainerCache
 
 # (case id, config, reference kind, accumulation steps); reference kinds are described in kto_harness.build_trainer
 CASES = [
@@ -30,7 +31,7 @@ CASES = [
     ("kto_accumulation", dict(loss_type="kto", gradient_accumulation_steps=2), "adapter", 2),
 ]
 
-_trainers: dict[str, tuple] = {}
+_trainers: dict[str, tuple] = TrainerCache()
 _expected: dict[tuple[str, bool], tuple] = {}
 
 
@@ -47,8 +48,6 @@ def expected_step(case_id: str, trainer, batch, accumulation: int = 1, train: bo
     if key not in _expected:
         _expected[key] = loss_grads_metrics(trainer, batch, accumulation, train)
     return _expected[key]
-
-
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2, 8])

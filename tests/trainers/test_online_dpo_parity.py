@@ -28,9 +28,10 @@ from tests.trainers.online_dpo_harness import (
     step,
 )
 from tests.trainers.step_compare import assert_same_step
+from tests.trainers.trainer_cache import TrainerCache
 
 RANKINGS = ("functions", "reward_model", "judge")
-_trainers: dict[tuple[str, str], object] = {}
+_trainers: dict[tuple[str, str], object] = TrainerCache()
 _expected: dict[tuple[str, str], tuple] = {}
 
 

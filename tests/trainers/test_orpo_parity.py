@@ -28,8 +28,9 @@ from tests.trainers.paired_harness import (
     loss_grads_metrics,
     train_log,
 )
+from tests.trainers.trainer_cache import TrainerCache
 
-_trainers: dict[tuple, object] = {}
+_trainers: dict[tuple, object] = TrainerCache()
 
 
 def trainers(arch: str = "llama", **config):

@@ -17,6 +17,7 @@ from tests.trainers.sft_harness import (
     one_step,
     preference_dataset,
 )
+from tests.trainers.trainer_cache import TrainerCache
 
 # case id -> (config, dataset options, accumulation steps)
 CASES = {
@@ -27,7 +28,7 @@ CASES = {
     "accumulation_centered": (dict(center_rewards_coefficient=0.1, gradient_accumulation_steps=2), dict(), 2),
 }
 
-_cache: dict[str, tuple] = {}
+_cache: dict[str, tuple] = TrainerCache()
 
 
 def case(case_id: str):

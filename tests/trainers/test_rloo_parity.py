@@ -28,6 +28,7 @@ from tests.trainers.rloo_harness import (
 from tests.trainers.step_compare import assert_same_step
 from tests.trainers.test_grpo_compat import tiny_moe
 from tests.trainers.test_grpo_train_parity import assert_same_curves
+from tests.trainers.trainer_cache import TrainerCache
 
 # (case id, config, old_logps spread, accumulation steps)
 LOSS_CASES = [
@@ -37,7 +38,7 @@ LOSS_CASES = [
     ("grad_accumulation", dict(gradient_accumulation_steps=2), 0.3, 2),
 ]
 
-_trainer_cache: dict[tuple[str, str], object] = {}
+_trainer_cache: dict[tuple[str, str], object] = TrainerCache()
 
 
 def _trainers(case_id: str, config: dict):

@@ -24,6 +24,7 @@ from tests.trainers.sft_harness import (
     one_step,
     sft_dataset,
 )
+from tests.trainers.trainer_cache import TrainerCache
 
 
 def chat_tokenizer():
@@ -51,7 +52,7 @@ CASES = {
     "accumulation_no_num_items": ("text", dict(gradient_accumulation_steps=2, loss_type="dft"), 2, None),
 }
 
-_cache: dict[str, tuple] = {}
+_cache: dict[str, tuple] = TrainerCache()
 
 
 def case(case_id: str):
