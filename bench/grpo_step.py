@@ -25,7 +25,7 @@ Per step (HF Trainer's on_step_begin to on_step_end, CUDA-synchronised): wall se
   reward      the reward functions on the decoded completions: `_calculate_rewards` (GRPO, RLOO), `_scores` (PPO)
   training    the rest of the step: tokenising and decoding, the gradient-free scoring passes, the loss's forward and
               backward, the optimizer; for PPO its gradient-free pass over the rollout (old log-probs, values and
-              reference log-probs: `value_model.score_rollout`) is also given on its own as scoring_pass_s
+              reference log-probs: `ppo.rollout.score_rollout`) is also given on its own as scoring_pass_s
 both methods wrapped on the trainer instance, so TRL and slimrl are timed by the same code; plus the step's loss,
 reward, completion length and peak GPU memory from the trainer's logs (PPO: reward = objective/scores, and its
 policy and value losses). Means are given over all steps and over all but the first (which compiles and captures
@@ -99,7 +99,7 @@ SIDES = {  # JSON key -> (whose trainer, which algorithm)
 # limit still has them); the speedup is the second side's seconds over the first's
 RUNS = {"grpo": ("slimrl", "trl"), "rloo": ("slimrl_rloo", "trl_rloo"), "ppo": ("slimrl_ppo", "slimrl_grpo")}
 # A gradient-free pass timed on its own, inside the training phase: algorithm -> (module, function, step field)
-SCORING_PASSES = {"ppo": ("slimrl.trainers.ppo.value_model", "score_rollout", "scoring_pass_s")}
+SCORING_PASSES = {"ppo": ("slimrl.trainers.ppo.rollout", "score_rollout", "scoring_pass_s")}
 GROUP = 8  # completions per prompt (GRPO and RLOO); W3's batch is one group
 PHASE_KEYS = ("step_s", "generation_s", "reward_s", "training_s")
 SUMMARY_KEYS = (*PHASE_KEYS, "peak_GiB", "loss", "reward", "completion_mean_length")
@@ -626,7 +626,7 @@ TIMING = (
     "logged peak_gpu_memory_GiB therefore covers the training phase only"
 )
 PPO_TIMING = (
-    "; PPO's phases: generation = _generate, reward = _scores, and scoring_pass_s = value_model.score_rollout (old "
+    "; PPO's phases: generation = _generate, reward = _scores, and scoring_pass_s = ppo.rollout.score_rollout (old "
     "log-probs, values and reference log-probs of the rollout, gradient-free), a part of training_s"
 )
 

@@ -101,3 +101,110 @@ def test_the_layering_check_sees_function_level_and_root_imports(tmp_path):
                       "    from slimrl.trainers.finite import NonFiniteError\n\n\nfrom slimrl import testing\n")
     assert upward_imports(module, root=tmp_path) == ["models/example.py:6 imports slimrl.trainers.finite",
                                                      "models/example.py:9 imports slimrl.testing"]
+
+
+# Inside trainers/: common/ (the chunked step and what every family shares) < rollouts/ (trainer <-> engine glue) < one
+# folder per algorithm, which imports only the two below it and itself, never another algorithm's folder.
+TRAINER_SUBLAYERS = ["common", "rollouts"]
+
+
+def cross_trainer_imports(path: Path, root: Path = SRC) -> list[str]:
+    parts = path.relative_to(root).parts
+    if parts[0] != "trainers" or len(parts) < 3:
+        return []
+    own = parts[1]
+    found = []
+    for line, module in sorted(slimrl_imports(ast.parse(path.read_text()))):
+        names = module.split(".")
+        if names[1] != "trainers" or len(names) < 3 or names[2] == own:
+            continue
+        target = names[2]
+        allowed = TRAINER_SUBLAYERS[: TRAINER_SUBLAYERS.index(own)] if own in TRAINER_SUBLAYERS else TRAINER_SUBLAYERS
+        if target not in allowed:
+            found.append(f"{path.relative_to(root)}:{line} imports {module}")
+    return found
+
+
+def test_trainer_folders_import_only_the_shared_folders_below_them():
+    found = [hit for path in python_files(SRC / "trainers") for hit in cross_trainer_imports(path)]
+    assert not found, "imports across trainer folders (common < rollouts < each algorithm):\n" + "\n".join(found)
+
+
+def test_the_trainer_folder_check_sees_one_algorithm_importing_another(tmp_path):
+    for folder in ("rloo", "common"):
+        (tmp_path / "trainers" / folder).mkdir(parents=True)
+    rloo = tmp_path / "trainers" / "rloo" / "trainer.py"
+    rloo.write_text("from slimrl.trainers.grpo.inputs import is_multimodal\nfrom slimrl.trainers.common import base\n"
+                    "from slimrl.trainers.rloo.config import RLOOConfig\n")
+    common = tmp_path / "trainers" / "common" / "base.py"
+    common.write_text("def f():\n    from slimrl.trainers.rollouts.generation import local_engine\n")
+    expected = ["trainers/rloo/trainer.py:1 imports slimrl.trainers.grpo.inputs"]
+    assert cross_trainer_imports(rloo, root=tmp_path) == expected
+    assert cross_trainer_imports(common, root=tmp_path) == [
+        "trainers/common/base.py:2 imports slimrl.trainers.rollouts.generation"
+    ]
+
+
+def module_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """slimrl module -> the slimrl modules it imports (module level, function level and type-only imports alike)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(path): path for path in python_files(root)}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from slimrl.a import b` imports module slimrl.a, and module slimrl.a.b when b is one
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (each holds an import cycle), by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_between_slimrl_modules():
+    assert import_cycles(module_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
+    package = tmp_path / "slimrl" / "models"
+    package.mkdir(parents=True)
+    (package / "saving.py").write_text("def f():\n    from slimrl.models.gguf_export import save\n")
+    (package / "gguf_export.py").write_text("from slimrl.models.saving import merged_state_dict\n")
+    (package / "lora.py").write_text("from slimrl.models import saving\n")
+    graph = module_graph(tmp_path / "slimrl")
+    assert graph["slimrl.models.lora"] == {"slimrl.models.saving"}
+    assert import_cycles(graph) == [["slimrl.models.gguf_export", "slimrl.models.saving"]]

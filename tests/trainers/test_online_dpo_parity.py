@@ -57,7 +57,7 @@ def test_chunked_step_matches_trl(ranking, loss_type, num_chunks, monkeypatch):
     if (ranking, loss_type) not in _expected:
         _expected[ranking, loss_type] = step(reference, prompt_batch())
     expected = _expected[ranking, loss_type]
-    chunk_pairs = _spy(monkeypatch, ours, "_pair_chunk_loss", lambda *args: args[4].rows.numel())
+    chunk_pairs = _spy(monkeypatch, ours, "_chunk_loss", lambda *args: args[3].rows.numel())
     trl_forwards = _spy(monkeypatch, ours, "_forward")
     assert_same_step(expected, step(ours, prompt_batch()), f"{ranking}, {loss_type}, num_chunks={num_chunks}")
     assert sorted(chunk_pairs) == [PAIRS // min(num_chunks, PAIRS)] * min(num_chunks, PAIRS), "chunks of pairs"
@@ -229,13 +229,13 @@ def test_on_nonfinite_skip_drops_a_nan_step_and_logs_it_in_trls_stats(monkeypatc
     trainer = build_trainer("slimrl", max_steps=3, logging_steps=1, learning_rate=5e-3, seed=7, max_new_tokens=8,
                             generation_kwargs=EOS_BIAS, reward_funcs=[answer_reward, digit_reward], num_chunks=2,
                             on_nonfinite="skip")  # fmt: skip
-    chunk_loss = trainer._pair_chunk_loss
+    chunk_loss = trainer._chunk_loss
 
     def poisoned(*args, **kwargs):  # every chunk of the second optimizer step has a NaN loss
         loss, stats = chunk_loss(*args, **kwargs)
         return (loss * math.nan if trainer.state.global_step == 1 else loss), stats
 
-    monkeypatch.setattr(trainer, "_pair_chunk_loss", poisoned)
+    monkeypatch.setattr(trainer, "_chunk_loss", poisoned)
     trainer.train()
     skipped = [entry["nonfinite_skipped"] for entry in trainer.state.log_history if "nonfinite_skipped" in entry]
     assert skipped == [0.0, 1.0, 0.0], skipped

@@ -163,8 +163,8 @@ def test_a_nan_loss_is_caught_before_the_optimizer_step(monkeypatch):
 
     original = PPOTrainer._chunk_loss
 
-    def poisoned(self, model, inputs, chunk):  # the second step's loss is NaN
-        loss, stats = original(self, model, inputs, chunk)
+    def poisoned(self, model, inputs, plan, chunk):  # the second step's loss is NaN
+        loss, stats = original(self, model, inputs, plan, chunk)
         return (loss * math.nan if self.state.global_step == 1 else loss), stats
 
     monkeypatch.setattr(PPOTrainer, "_chunk_loss", poisoned)

@@ -239,7 +239,7 @@ def _load_pretrained(model_name: str, options: LoadOptions, device_map, trust_re
     model.slimrl_options = options
     model.slimrl_tokenizer = tokenizer
     model.max_seq_length = options.max_seq_length  # where Unsloth keeps it; some user code reads it
-    from slimrl.models.saving import attach_save_methods
+    from slimrl.models.save_methods import attach_save_methods
 
     attach_save_methods(model)  # Unsloth's save_pretrained_merged / save_pretrained_gguf, before any adapter too
     return model, tokenizer
@@ -339,7 +339,7 @@ class FastLanguageModel:
                 load_in_8bit=bool(getattr(model, "is_loaded_in_8bit", False)),
             )
         options.gradient_checkpointing = mode
-        from slimrl.models.saving import attach_save_methods
+        from slimrl.models.save_methods import attach_save_methods
 
         attach_save_methods(peft_model)
         return modes.for_training(peft_model)

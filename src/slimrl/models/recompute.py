@@ -14,14 +14,19 @@ place by a plain backward where a sharding framework's hooks must see them insid
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from slimrl.ops.fused import mlp_forward, norm_forward
 
-if TYPE_CHECKING:
-    from slimrl.models.checkpointing import OffloadState
+
+class RecomputeState(Protocol):
+    """What the split recompute reads and counts of a model's offloaded checkpointing (checkpointing.OffloadState
+    provides it; this module does not import that one, which imports this)."""
+
+    mlp_tile_tokens: int  # MLP tile of the split recompute; 0: the whole sequence at once
+    split_recomputes: int  # layers recomputed attention-then-MLP-tiles so far
 
 SPLIT_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 # The fused element-wise kernels pay a fixed CPU cost per call; below this many tokens per layer call the GPU work is
@@ -94,7 +99,7 @@ def splittable_layer(function, other_args) -> tuple | None:
     return layer, keywords
 
 
-def split_forward(state: OffloadState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
+def split_forward(state: RecomputeState, layer, kwargs: dict, hidden_states: torch.Tensor) -> torch.Tensor:
     """The layer's output without grad as the offloaded forward computes it: attention, then the MLP in tiles of
     `state.mlp_tile_tokens` tokens, with the fused ops for long sequences."""
     fused = _use_fused(hidden_states)
@@ -127,7 +132,7 @@ def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
 
 
-def split_backward(state: OffloadState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
+def split_backward(state: RecomputeState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
                    weights: Weights) -> torch.Tensor | None:  # fmt: skip
     """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention. Returns the
     gradient of `x` (None when it needs none); the weights' gradients go to `weights`. Runs under enable_grad."""

@@ -21,6 +21,7 @@ from slimrl.rollout.model.views import (
     UnsupportedModel,
     check_supported,
     embed_tokens,
+    layer_modules,
     linear_spec,
     norm_spec,
     spec_identity,
@@ -41,24 +42,7 @@ class Decoder:
         self.norm = inner.norm
         self.lm_head = causal_lm.get_output_embeddings()
         self.rotary = inner.rotary_emb
-        self.layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                LayerModules(
-                    input_norm=layer.input_layernorm,
-                    q=attn.q_proj,
-                    k=attn.k_proj,
-                    v=attn.v_proj,
-                    o=attn.o_proj,
-                    q_norm=getattr(attn, "q_norm", None),
-                    k_norm=getattr(attn, "k_norm", None),
-                    post_norm=layer.post_attention_layernorm,
-                    gate=mlp.gate_proj,
-                    up=mlp.up_proj,
-                    down=mlp.down_proj,
-                )
-            )
+        self.layers = [layer_modules(layer) for layer in inner.layers]
         first = inner.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -136,16 +120,24 @@ class Decoder:
                 (out,) = project(attn, (o,), ops.add_lora)
             mark(hidden, out)
             hidden, h = _add_norm(ops, hidden, out, post_norm)
-            act = None if fused is None else fused.gate_up(h, gate, up, down)
-            if act is None:
-                gate_out, up_out = project(h, (gate, up), ops.add_lora)
-                mark(gate_out, up_out)
-                act = ops.silu_mul(gate_out, up_out)
-            delta = None if fused is None else fused.linear(act, down, "down")
-            if delta is None:
-                (delta,) = project(act, (down,), ops.add_lora)
+            delta = self._mlp(h, (gate, up, down), ops, mark)
         mark(hidden, delta)
         return _add_norm(ops, hidden, delta, norm_spec(self.norm))[1]
+
+    def _mlp(self, h: torch.Tensor, specs, ops: GroupedOps, mark) -> torch.Tensor:
+        """The layer's gated MLP of its post-attention-norm output h [N, hidden]: fused kernels where the ops have
+        them bound, else the grouped projections."""
+        gate, up, down = specs
+        fused = ops.fused
+        act = None if fused is None else fused.gate_up(h, gate, up, down)
+        if act is None:
+            gate_out, up_out = project(h, (gate, up), ops.add_lora)
+            mark(gate_out, up_out)
+            act = ops.silu_mul(gate_out, up_out)
+        delta = None if fused is None else fused.linear(act, down, "down")
+        if delta is None:
+            (delta,) = project(act, (down,), ops.add_lora)
+        return delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, as transformers' lm_head gives them."""

@@ -63,6 +63,8 @@ class UnsupportedModel(ValueError):
 
 
 def check_supported(model: nn.Module) -> None:
+    """Raise UnsupportedModel naming the first thing the engine's forward cannot run: the architecture and its
+    settings, the placement of the weights, then each layer's modules."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -76,6 +78,14 @@ def check_supported(model: nn.Module) -> None:
             raise UnsupportedModel(f"{type(model).__name__} has no model.{name}; not a standard decoder layout")
     if getattr(model, "lm_head", None) is None:
         raise UnsupportedModel(f"{type(model).__name__} has no lm_head")
+    _check_settings(config, inner)
+    _check_placement(model)
+    for i, layer in enumerate(inner.layers):
+        _check_layer(i, layer)
+
+
+def _check_settings(config, inner: nn.Module) -> None:
+    """The activation and the RoPE type."""
     act = getattr(config, "hidden_act", None)
     if act not in ("silu", "swish"):
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (the engine implements silu)")
@@ -84,22 +94,28 @@ def check_supported(model: nn.Module) -> None:
         raise UnsupportedModel(
             f"rope type {rope_type!r} depends on the sequence length; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
+
+
+def _check_placement(model: nn.Module) -> None:
+    """All weights resident on one device."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map and len({str(d) for d in device_map.values()}) > 1:
         raise UnsupportedModel("the model is spread over several devices (device_map); the engine needs one device")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise UnsupportedModel("some weights are on the meta device (offloaded); the engine needs them resident")
-    for i, layer in enumerate(inner.layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
-            raise UnsupportedModel(f"layer {i} lacks self_attn.q/k/v/o_proj or mlp")
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            raise UnsupportedModel(f"layer {i} has no gated MLP (gate_proj, up_proj, down_proj)")
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not (hasattr(norm, "weight") and hasattr(norm, "variance_epsilon")):
-                raise UnsupportedModel(f"layer {i} has a norm that is not an RMSNorm ({type(norm).__name__})")
 
+
+def _check_layer(i: int, layer: nn.Module) -> None:
+    """Layer i has the attention projections, the gated MLP and the RMSNorms `layer_modules` reads."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+        raise UnsupportedModel(f"layer {i} lacks self_attn.q/k/v/o_proj or mlp")
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        raise UnsupportedModel(f"layer {i} has no gated MLP (gate_proj, up_proj, down_proj)")
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if not (hasattr(norm, "weight") and hasattr(norm, "variance_epsilon")):
+            raise UnsupportedModel(f"layer {i} has a norm that is not an RMSNorm ({type(norm).__name__})")
 
 
 # -- live views of the model's tensors --------------------------------------------------------------------------
@@ -150,6 +166,24 @@ def linear_spec(module: nn.Module) -> LinearSpec:
 
 def norm_spec(module: nn.Module) -> NormSpec:
     return NormSpec(module.weight, float(module.variance_epsilon))
+
+
+def layer_modules(layer: nn.Module) -> LayerModules:
+    """The modules of one decoder layer that the engine's forward reads (checked by `_check_layer`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerModules(
+        input_norm=layer.input_layernorm,
+        q=attn.q_proj,
+        k=attn.k_proj,
+        v=attn.v_proj,
+        o=attn.o_proj,
+        q_norm=getattr(attn, "q_norm", None),
+        k_norm=getattr(attn, "k_norm", None),
+        post_norm=layer.post_attention_layernorm,
+        gate=mlp.gate_proj,
+        up=mlp.up_proj,
+        down=mlp.down_proj,
+    )
 
 
 @dataclass

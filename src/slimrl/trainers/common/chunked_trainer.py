@@ -1,29 +1,71 @@
-"""What every trainer with a chunked step shares: the memory savers, the chunk count, the backward of inner chunks,
-and one log line per reason a batch falls back to TRL's one-piece loss.
+"""What every trainer with a chunked step shares: the chunk-plan protocol, the memory savers, the chunk count, the
+backward of inner chunks, and one log line per reason a batch falls back to TRL's one-piece loss.
 
-`ChunkedTrainerMixin` sits after `SlimTrainerMixin` in a slimrl trainer's bases and before TRL's class. The trainer
-calls `_apply_memory_savers()` at the end of `__init__`; its `compute_loss` hands the batch to
-`_loss_in_chunks_or_one_piece`, which asks the trainer's `_one_piece_reason(inputs, return_outputs)` whether TRL's
-one-piece loss must run, and else calls `_chunked_loss(model, inputs, mode, return_outputs, num_items_in_batch)`
-(the mixin's plan -> chunks -> metrics, or the trainer's own); that plans chunks with `_num_chunks_for(lengths,
-device)` and runs them with `_run_chunks(model, chunks, chunk_loss)`.
+The protocol. A chunked trainer declares four things, one method each, with these signatures:
+
+    _one_piece_reason(inputs, return_outputs) -> str | None     why this batch must run as TRL's one piece
+    _plan_micro_batch(model, inputs, mode, num_items_in_batch) -> ChunkPlan
+                                                                 how to split it, and what every chunk shares:
+                                                                 its normaliser, reference log-probs, weights...
+    _chunk_loss(model, inputs, plan, chunk) -> (loss, stats)    one chunk's share of the loss, with grad, and its
+                                                                 detached metric parts (summed over the chunks)
+    _log_chunk_metrics(mode, inputs, plan, totals) -> dict | None
+                                                                 TRL's metrics of the micro-batch from the summed
+                                                                 stats: appended to the trainer's store, or returned
+                                                                 where TRL's caller stores them (ORPO, CPO)
+
+and `_chunked_loss(model, inputs, mode, num_items_in_batch)` runs them: plan, chunks (every chunk but the last
+backpropagated on the way, with HF Trainer's accumulation scaling), metrics; it returns a `ChunkedLoss`. A trainer's
+`compute_loss` calls `_loss_in_chunks_or_one_piece`, which asks `_one_piece_reason` first; ORPO and CPO call the same
+two at TRL's `get_batch_loss_metrics`, online DPO inside its `training_step` (after generation and ranking), PPO (no
+TRL class, no one-piece path) from its `compute_loss`.
+
+Base order: `ChunkedTrainerMixin` sits after `SlimTrainerMixin` in a slimrl trainer's bases and before TRL's class
+(its `_one_piece_loss` calls TRL's `compute_loss` through `super()`). The trainer calls `_apply_memory_savers()` at the
+end of `__init__`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
 
-from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, run_chunks
+from slimrl.trainers.common.batches import is_multimodal
+from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, chunk_sequences, run_chunks
 
 logger = logging.getLogger("slimrl.trainers")
 
 
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What a trainer computes over the whole micro-batch before its first chunk; a trainer's plan subclasses this
+    with what its chunks share. The rule that makes the chunks' summed gradient the one-piece one: whatever a chunk's
+    loss is divided or weighted by is fixed here, never computed from the chunk itself."""
+
+    chunks: list[Chunk]
+    # what every chunk's loss terms are divided by: the micro-batch's count of the loss's units (pairs, sequences,
+    # label tokens), or per-sequence weights [N] for a loss normalised sequence by sequence (GRPO's)
+    normaliser: torch.Tensor | float
+
+
+@dataclass
+class ChunkedLoss:
+    """What `_chunked_loss` returns: the micro-batch's loss (earlier chunks already backpropagated), its plan, the
+    chunks' summed stats, and the metrics `_log_chunk_metrics` returned (None where it stored them itself)."""
+
+    loss: torch.Tensor
+    plan: ChunkPlan
+    totals: ChunkStats
+    metrics: dict[str, float] | None
+
+
 class ChunkedTrainerMixin:
-    """Chunk planning and the memory savers, for any HF Trainer subclass whose args carry slimrl's fields."""
+    """The chunk-plan protocol (module docstring) and the memory savers, for any HF Trainer subclass whose args carry
+    slimrl's fields."""
 
     def _apply_memory_savers(self) -> None:
         """LoRA inputs not copied where autocast casts them back (exact; models/lora.py), and offloaded checkpoints
@@ -66,26 +108,47 @@ class ChunkedTrainerMixin:
 
         return auto_num_chunks(self, lengths, device)
 
+    # -- the protocol: what each chunked trainer declares -------------------------------------------------------
+
+    def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
+        """Why this batch must run through TRL's one-piece loss (chunking would not be exact), or None."""
+        raise NotImplementedError
+
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch) -> ChunkPlan:
+        """The chunks of the micro-batch and everything they share, computed before the first one."""
+        raise NotImplementedError
+
+    def _chunk_loss(self, model, inputs, plan: ChunkPlan, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
+        """One chunk's share of the loss (with grad) and its detached stats, which the chunks sum."""
+        raise NotImplementedError
+
+    def _log_chunk_metrics(self, mode: str, inputs, plan: ChunkPlan, totals: ChunkStats) -> dict[str, float] | None:
+        """TRL's metrics of the micro-batch from the chunks' summed stats, with TRL's names, order and reductions."""
+        raise NotImplementedError
+
+    def _chunk_outputs(self, result: ChunkedLoss):
+        """The model outputs `compute_loss(return_outputs=True)` returns, for a trainer that chunks such a batch."""
+        raise NotImplementedError(f"{type(self).__name__} runs return_outputs=True in one piece")
+
+    # -- the template ----------------------------------------------------------------------------------------------
+
     def _loss_in_chunks_or_one_piece(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """What a chunked trainer's `compute_loss` returns: TRL's one-piece loss where the trainer's
-        `_one_piece_reason` names why chunking would not be exact, else the trainer's `_chunked_loss`."""
+        """What a chunked trainer's `compute_loss` returns: TRL's one-piece loss where `_one_piece_reason` names why
+        chunking would not be exact, else the chunked loss (with `_chunk_outputs` when outputs are asked for)."""
         reason = self._one_piece_reason(inputs, return_outputs)
         if reason is not None:
             return self._one_piece_loss(reason, model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        return self._chunked_loss(model, inputs, mode, return_outputs, num_items_in_batch)
+        result = self._chunked_loss(model, inputs, mode, num_items_in_batch)
+        return (result.loss, self._chunk_outputs(result)) if return_outputs else result.loss
 
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
-        """The chunked loss, unless the trainer writes its own: `_plan_micro_batch(model, inputs)` computes, before the
-        first chunk, what every chunk depends on (its `chunks` among it); `_chunk_loss(model, inputs, plan, chunk)` is
-        one chunk's share of the loss and its stats; `_log_chunk_metrics(mode, inputs, plan, totals)` logs TRL's
-        metrics from the chunks' summed stats."""
-        plan = self._plan_micro_batch(model, inputs)
+    def _chunked_loss(self, model, inputs, mode: str, num_items_in_batch=None) -> ChunkedLoss:
+        """Plan -> every chunk's loss (inner chunks backpropagated) -> metrics."""
+        plan = self._plan_micro_batch(model, inputs, mode, num_items_in_batch)
         loss, totals = self._run_chunks(
             model, plan.chunks, lambda chunk: self._chunk_loss(model, inputs, plan, chunk), num_items_in_batch
         )
-        self._log_chunk_metrics(mode, inputs, plan, totals)
-        return loss
+        return ChunkedLoss(loss, plan, totals, self._log_chunk_metrics(mode, inputs, plan, totals))
 
     def _one_piece_loss(self, reason: str, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's own `compute_loss` (the class after this mixin in the trainer's bases), `reason` logged once."""
@@ -138,6 +201,40 @@ class ChunkedTrainerMixin:
         return 1 if scaled else getattr(self, "current_gradient_accumulation_steps", 1)  # set by train()
 
 
+class ChunkedScoringMixin:
+    """Gradient-free scoring passes (old and reference log-probs) of GRPO and RLOO in the training step's chunk size.
+
+    TRL scores a generation batch `batch_size` rows per forward; each such pass is split here as the training step
+    splits a micro-batch, sized (with num_chunks="auto") for the longest sequences one pass could hold, so no scoring
+    pass holds more activations than a training chunk. Rows are scored independently: same values. Goes before
+    `ChunkedTrainerMixin` and TRL's class in the bases."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):  # fmt: skip
+        # contract: TRL's (logps [B, T], entropies [B, T] or None, extra) with the same values; only the rows per
+        # forward of the gradient-free passes change
+        if not torch.is_grad_enabled() and not is_multimodal(kwargs) and input_ids.size(0) > 1:
+            batch_size = self._scoring_rows(attention_mask, batch_size or input_ids.size(0))
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+        )
+
+    def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width), with grad
+        when grad is on (a chunk is already one forward's worth, so no scoring split happens then)."""
+        input_ids, attention_mask = chunk_sequences(inputs, chunk)  # [b, P + t]
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, chunk.width, compute_entropy=True
+        )
+        return logps, entropies
+
+    def _scoring_rows(self, attention_mask: torch.Tensor, rows_per_pass: int) -> int:
+        """Rows per forward of a scoring pass: TRL's `rows_per_pass` split into the training step's chunk count for
+        the longest sequences such a pass could hold."""
+        longest = sorted(attention_mask.sum(1).tolist(), reverse=True)[:rows_per_pass]
+        return max(1, math.ceil(rows_per_pass / self._num_chunks_for(longest, attention_mask.device)))
+
+
 @dataclass(frozen=True)
 class OffloadSettings:
     mlp_tile_tokens: int  # the MLP tile of the recompute (0: untiled)
@@ -167,4 +264,12 @@ def offload_settings(accelerator, requested_tile: int) -> OffloadSettings:
     return OffloadSettings(requested_tile, False, None)
 
 
-__all__ = ["ChunkStats", "ChunkedTrainerMixin", "OffloadSettings", "offload_settings"]
+__all__ = [
+    "ChunkPlan",
+    "ChunkStats",
+    "ChunkedLoss",
+    "ChunkedScoringMixin",
+    "ChunkedTrainerMixin",
+    "OffloadSettings",
+    "offload_settings",
+]

@@ -1,7 +1,13 @@
-"""The dataset checks every online trainer (GRPO, RLOO, online DPO, PPO) runs at construction: each dataset is one
-split with a 'prompt' column. TRL itself accepts such a dataset and fails at train() with a bare KeyError: 'prompt'."""
+"""Dataset checks shared across trainer families: every online trainer (GRPO, RLOO, online DPO, PPO) checks at
+construction that each dataset is one split with a 'prompt' column (TRL itself accepts such a dataset and fails at
+train() with a bare KeyError: 'prompt'); the offline trainers (SFT, reward) report the rows TRL's preparation left
+out."""
 
 from __future__ import annotations
+
+import warnings
+
+from datasets import Dataset
 
 from slimrl.trainers.common.preference_inputs import dataset_columns
 
@@ -39,3 +45,19 @@ def check_prompt_column(dataset, name: str, trainer: str, prompt_optional: bool 
         f"dataset = dataset.rename_column({source!r}, 'prompt'), or build it with "
         f"dataset.map(lambda row: {{'prompt': ...}})."
     )
+
+
+def report_dropped_rows(prepared, original, describe, when_all: str, when_some: str) -> None:
+    """After TRL's preparation of `original` into `prepared` (both map-style datasets, else nothing is counted): an
+    error when it left out every row, a warning when it left out some. `describe(dropped, total)` says which rows
+    went and why; `when_all` (after ", so nothing is left to train on. ") and `when_some` end the message."""
+    if not isinstance(prepared, Dataset) or not isinstance(original, Dataset):
+        return
+    dropped = len(original) - len(prepared)
+    if dropped <= 0:
+        return
+    message = describe(dropped, len(original))
+    if dropped == len(original):
+        raise ValueError(f"{message}, so nothing is left to train on. {when_all}")
+    # the caller's caller is the trainer's `_prepare_dataset`; the warning points at the user's constructor call
+    warnings.warn(f"{message}{when_some}", UserWarning, stacklevel=5)

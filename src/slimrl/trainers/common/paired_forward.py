@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
+from slimrl.trainers.common.chunked_trainer import ChunkPlan
 from slimrl.trainers.common.preference_inputs import check_preference_dataset
 from slimrl.trainers.common.slim_fields import with_slim_fields
 
@@ -66,19 +67,21 @@ class PairSettings:
 
 
 @dataclass(frozen=True)
-class PairedBatch:
+class PairedBatch(ChunkPlan):
     """A micro-batch of B pairs, concatenated as TRL does (chosen rows, then rejected rows), and what every chunk's
-    share of the loss is divided by, computed before the first chunk."""
+    share of the loss is divided by, computed before the first chunk: the normaliser is the pair count B."""
 
     input_ids: torch.Tensor  # [2B, T]
     attention_mask: torch.Tensor  # [2B, T]
     labels: torch.Tensor  # [2B, T] -100 outside the responses
     targets: torch.Tensor  # [2B, T] the next token of each position (0 in the last column)
-    num_pairs: int
-    chunks: list[Chunk]
     full_width: bool  # every chunk runs at the padded width T (TRL's logits/* need the padding columns)
     nll_tokens: torch.Tensor  # [] the NLL's token count over the micro-batch's chosen rows
     logit_tokens: torch.Tensor  # [2] the positions logits/chosen and logits/rejected average over
+
+    @property
+    def num_pairs(self) -> int:
+        return self.normaliser
 
 
 def fused_head_obstacle(model) -> str | None:
@@ -103,8 +106,9 @@ def fused_head_obstacle(model) -> str | None:
 
 
 class PairedChunkedMixin:
-    """ORPO's and CPO's constructor checks and chunked `get_batch_loss_metrics`. Goes before TRL's trainer in the
-    bases, after SlimTrainerMixin and ChunkedTrainerMixin."""
+    """ORPO's and CPO's constructor checks and chunked `get_batch_loss_metrics`, and their chunk plan (the protocol of
+    trainers/common/chunked_trainer.py). Goes after SlimTrainerMixin, before ChunkedTrainerMixin and TRL's trainer in
+    the bases."""
 
     _trl_trainer: type  # TRL's class: a subclass that overrides one of its loss methods keeps TRL's path
     _config_class: type  # slimrl's config of the algorithm
@@ -143,17 +147,16 @@ class PairedChunkedMixin:
 
     def get_batch_loss_metrics(self, model, batch, train_eval="train"):
         # contract: TRL's (loss, float metrics); the loss's backward() completes TRL's gradient (inner chunks done)
-        reason = self._one_piece_reason(batch)
+        reason = self._one_piece_reason(batch, return_outputs=self._one_piece_request is not None)
         if reason is not None:
             self._log_fallback(reason)
             return super().get_batch_loss_metrics(model, batch, train_eval)
-        paired = self._paired_batch(batch)
-        loss, totals = self._run_chunks(model, paired.chunks, lambda chunk: self._pair_chunk_loss(model, paired, chunk))
-        return loss, self._paired_metrics(paired, totals, "eval_" if train_eval == "eval" else "")
+        result = self._chunked_loss(model, batch, train_eval)
+        return result.loss, result.metrics
 
-    def _one_piece_reason(self, batch) -> str | None:
-        if self._one_piece_request is not None:
-            return self._one_piece_request
+    def _one_piece_reason(self, batch, return_outputs: bool) -> str | None:
+        if return_outputs:
+            return self._one_piece_request or "compute_loss was asked to return outputs"
         if self.aux_loss_enabled:
             return "the MoE load-balancing loss depends on all tokens of the micro-batch at once"
         if self._fused_head_obstacle is not None:
@@ -171,7 +174,7 @@ class PairedChunkedMixin:
             return "the batch's labels differ from its input ids on response tokens"
         return None
 
-    def _paired_batch(self, batch) -> PairedBatch:
+    def _plan_micro_batch(self, model, batch, mode: str, num_items_in_batch=None) -> PairedBatch:
         """TRL's concatenation of the micro-batch, its chunk plan and the micro-batch-wide normalisers."""
         settings = self._pair_settings()
         joined = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=settings.padding_value,
@@ -197,14 +200,14 @@ class PairedChunkedMixin:
             attention_mask=attention_mask,
             labels=labels,
             targets=torch.cat([next_ids, torch.zeros_like(next_ids[:, :1])], 1),
-            num_pairs=pairs,
             chunks=chunks,
+            normaliser=pairs,
             full_width=full_width,
             nll_tokens=nll_mask.sum().float(),
             logit_tokens=logit_tokens,
         )
 
-    def _pair_chunk_loss(self, model, paired: PairedBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
+    def _chunk_loss(self, model, batch, paired: PairedBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of the loss (with grad) and its detached scores, NLL sum and logit sums."""
         settings = self._pair_settings()
         pairs, n = paired.num_pairs, chunk.rows.numel()
@@ -243,8 +246,10 @@ class PairedChunkedMixin:
         }
         return loss, stats
 
-    def _paired_metrics(self, paired: PairedBatch, totals: ChunkStats, prefix: str) -> dict[str, float]:
-        """TRL's metrics, in TRL's order and with its reductions, from the chunks' summed stats."""
+    def _log_chunk_metrics(self, mode: str, batch, paired: PairedBatch, totals: ChunkStats) -> dict[str, float]:
+        """TRL's metrics, in TRL's order and with its reductions, from the chunks' summed stats; returned, for TRL's
+        compute_loss or prediction_step to store (eval ones prefixed "eval_", as TRL's)."""
+        prefix = "eval_" if mode == "eval" else ""
         gather = self.accelerator.gather_for_metrics
         chosen_logps, rejected_logps = totals["chosen_logps"], totals["rejected_logps"]  # [B] each
         _, chosen_rewards, rejected_rewards, extra = self._pair_terms(chosen_logps, rejected_logps)

@@ -69,17 +69,17 @@ def cpo_pair_terms(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *, 
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-class CPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, PairedChunkedMixin, _trl_cpo.CPOTrainer):
+class CPOTrainer(SlimTrainerMixin, PairedChunkedMixin, ChunkedTrainerMixin, _trl_cpo.CPOTrainer):
     """TRL's CPOTrainer whose step runs in chunks of pairs. Same constructor, same results."""
 
     _trl_trainer = _trl_cpo.CPOTrainer
     _config_class = CPOConfig
     _trl_loss_methods = (*PairedChunkedMixin._trl_loss_methods, "cpo_loss")
 
-    def _one_piece_reason(self, batch) -> str | None:
+    def _one_piece_reason(self, batch, return_outputs: bool) -> str | None:
         if self.loss_type not in LOSS_TYPES:
             return f"loss_type {self.loss_type!r} is not one slimrl chunks ({', '.join(LOSS_TYPES)})"
-        return super()._one_piece_reason(batch)
+        return super()._one_piece_reason(batch, return_outputs)
 
     def _pair_settings(self) -> PairSettings:
         # CPO's NLL (weight cpo_alpha, none at 0) covers the chosen responses only; logits/* cover every column

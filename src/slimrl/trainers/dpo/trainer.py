@@ -24,8 +24,9 @@ from trl.trainer.utils import use_adapter
 
 from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.common.base import SlimTrainerMixin
+from slimrl.trainers.common.batches import is_multimodal
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.preference_inputs import check_preference_dataset, check_sequence_lengths
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
 from slimrl.trainers.dpo.loss import (
@@ -37,7 +38,6 @@ from slimrl.trainers.dpo.loss import (
     sequence_logps,
     wpo_weights,
 )
-from slimrl.trainers.grpo.inputs import is_multimodal
 
 __all__ = ["DPOConfig", "DPOTrainer"]
 
@@ -53,13 +53,17 @@ class DPOConfig(SlimFields, trl.DPOConfig):
 
 
 @dataclass(frozen=True)
-class _PairBatch:
-    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk."""
+class _PairBatch(ChunkPlan):
+    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk.
+    Chunk rows are pair indices (a chunk's width: the columns its pairs need); the normaliser is the pair count B, the
+    per-pair mean's divisor."""
 
-    chunks: list[Chunk]  # rows: pair indices; width: the columns the chunk's pairs need
-    num_pairs: int  # B: the per-pair mean's divisor
     chosen_token_count: torch.Tensor  # label tokens of all chosen completions: the "sft" term's divisor
     settings: PreferenceLossSettings
+
+    @property
+    def num_pairs(self) -> int:
+        return self.normaliser
 
 
 class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
@@ -105,7 +109,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
             return f"loss_type {unknown[0]!r} is not one slimrl knows how to chunk"
         return _layout_problem(inputs)
 
-    def _plan_micro_batch(self, model, inputs) -> _PairBatch:
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch=None) -> _PairBatch:
         """The chunk plan over pairs and the micro-batch-wide normalisers."""
         ids, completion_mask = inputs["input_ids"], inputs["completion_mask"]
         num_pairs, width = ids.size(0) // 2, ids.size(1)
@@ -118,7 +122,7 @@ class DPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.DPOTrainer):
         count = self._num_chunks_for((2 * pair_widths).tolist(), ids.device)
         return _PairBatch(
             chunks=plan_by_length(pair_widths, count, min_width=min(2, width)),
-            num_pairs=num_pairs,
+            normaliser=num_pairs,
             chosen_token_count=completion_mask[:num_pairs, 1:].sum(),
             settings=PreferenceLossSettings.from_trainer(self),
         )

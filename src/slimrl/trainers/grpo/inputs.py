@@ -1,28 +1,9 @@
-"""What GRPOTrainer checks in its inputs that TRL lets through: the context length (at construction; the dataset's
-columns are checked in dataset_checks.py, shared by the online trainers), and which batches are multimodal (those run
-through TRL's one-piece loss)."""
+"""What GRPOTrainer checks at construction that TRL lets through: the context length (the dataset's columns are checked
+in common/dataset_checks.py, shared by the online trainers; which batches are multimodal, in common/batches.py)."""
 
 from __future__ import annotations
 
 import warnings
-
-# Inputs that make a batch multimodal: chunking those needs per-image bookkeeping, so TRL's one-piece loss runs them.
-MULTIMODAL_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
-
-
-def is_multimodal(values) -> bool:
-    return any(values.get(key) is not None for key in MULTIMODAL_KEYS)
 
 
 def check_context_length(model, max_completion_length: int | None) -> None:

@@ -9,7 +9,8 @@ Overrides, each for one reason (and each keeping TRL's contract, said in a `cont
   from slimrl's engine (live weights, no copy) when that backend is chosen.
 - `compute_loss`: runs the micro-batch in chunks of sequences (only one chunk's activations alive at once) with the
   loss normalised so that the summed gradient equals TRL's; logs TRL's metrics with TRL's names and values.
-- `_get_per_token_logps_and_entropies`: gradient-free scoring passes in the training step's chunk size.
+- `_get_per_token_logps_and_entropies` (from `ChunkedScoringMixin`, shared with RLOO): gradient-free scoring passes
+  in the training step's chunk size.
 - `training_step`: measures the step's peak GPU memory and the training phase's tokens per second.
 `SlimTrainerMixin` (trainers/common/base.py) adds the NaN guards and the attention-backend choice around every step.
 Everything else (rewards, advantages, tools and environments, logging, checkpoints) is TRL's.
@@ -25,13 +26,14 @@ import torch
 import trl
 
 from slimrl.trainers.common.base import SlimTrainerMixin
-from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, run_chunks, take
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.batches import is_multimodal
+from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_chunks, take
+from slimrl.trainers.common.chunked_trainer import ChunkedScoringMixin, ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.dataset_checks import check_prompt_datasets
 from slimrl.trainers.common.resume import ResumableTrainerMixin
 from slimrl.trainers.common.rewards_guard import CheckedRewardsMixin, guard_reward_funcs
 from slimrl.trainers.grpo.config import GRPOConfig, with_slimrl_fields
-from slimrl.trainers.grpo.inputs import check_context_length, is_multimodal
+from slimrl.trainers.grpo.inputs import check_context_length
 from slimrl.trainers.grpo.loss import (
     LOSS_TYPES,
     TOKEN_SUM_LOSSES,
@@ -48,14 +50,13 @@ __all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; i
 
 
 @dataclass(frozen=True)
-class _MicroBatch:
-    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk."""
+class _MicroBatch(ChunkPlan):
+    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk;
+    the normaliser is the per-sequence weights [N] (grpo/loss.sequence_weights)."""
 
-    chunks: list[Chunk]
     width: int  # completion columns of the micro-batch
     mask: torch.Tensor  # [N, T] completion (and tool) mask
     advantages: torch.Tensor  # [N, 1] or [N, T]
-    weights: torch.Tensor  # [N] sequence weights (grpo_loss.sequence_weights)
     policy_divisor: int  # 1 where the weights already hold the accumulation factor, else the accumulation steps
     accumulation: int
     settings: PolicyLossSettings
@@ -64,8 +65,8 @@ class _MicroBatch:
     entropy_coef: float  # the entropy bonus's coefficient for this micro-batch (0 when the bonus is off)
 
 
-class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, AsyncRolloutMixin, EngineRolloutMixin,
-                  CheckedRewardsMixin, trl.GRPOTrainer):
+class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedScoringMixin, ChunkedTrainerMixin, AsyncRolloutMixin,
+                  EngineRolloutMixin, CheckedRewardsMixin, trl.GRPOTrainer):
     """TRL's GRPOTrainer whose training step runs in chunks of sequences. Same constructor, same results."""
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *positional, **kwargs):
@@ -93,7 +94,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         self._start_training_phase(inputs)
         return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
-    def _one_piece_reason(self, inputs, return_outputs: bool = False) -> str | None:
+    def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
         if is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
@@ -103,20 +104,9 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             raise ValueError(f"loss_type {self.loss_type!r} is not supported by slimrl ({', '.join(LOSS_TYPES)}).")
         return None
 
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
-        """The micro-batch chunk by chunk; its loss terms carry TRL's accumulation scaling, so no chunk is rescaled."""
-        batch = self._micro_batch(model, inputs, mode)
-        loss, totals = run_chunks(
-            batch.chunks,
-            lambda chunk: self._chunk_loss(model, inputs, batch, chunk),
-            backward=self._backward_inner_chunk,
-            no_sync=lambda: self.accelerator.no_sync(model),
-        )
-        self._log_chunk_metrics(mode, totals)
-        return loss
-
-    def _micro_batch(self, model, inputs, mode: str) -> _MicroBatch:
-        """The chunk plan and the micro-batch-wide quantities of the loss, in the order TRL computes them."""
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch=None) -> _MicroBatch:
+        """The chunk plan and the micro-batch-wide quantities of the loss, in the order TRL computes them; its loss
+        terms carry TRL's accumulation scaling (loss_is_scaled_for_ga), so the inner chunks' backward divides by 1."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         settings = PolicyLossSettings.from_trainer(self)
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -145,10 +135,10 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
                 entropy_coef = 0.0  # TRL's controller: no bonus while the entropy is above its target
         return _MicroBatch(
             chunks=chunks,
+            normaliser=weights,
             width=completion_ids.size(1),
             mask=mask,
             advantages=advantages,
-            weights=weights,
             policy_divisor=1 if self.loss_type in TOKEN_SUM_LOSSES else accumulation,
             accumulation=accumulation,
             settings=settings,
@@ -178,7 +168,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             sampling_logps=take(inputs.get("sampling_per_token_logps"), chunk, width),
             entropy_mask=entropy_mask,
         )
-        policy = weighted_loss_sum(terms.per_token_loss, mask, take(batch.weights, chunk, -1))
+        policy = weighted_loss_sum(terms.per_token_loss, mask, take(batch.normaliser, chunk, -1))
         loss = policy / batch.policy_divisor
         stats = {POLICY_LOSS: policy.detach().float()}
         if self._entropy_bonus_enabled:
@@ -192,19 +182,6 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
                                    mask, chunk, num_rows))  # fmt: skip
         return loss, stats
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           **kwargs):  # fmt: skip
-        # contract: TRL's (logps [B, T], entropies [B, T] or None, extra) with the same values; only the batch size
-        # of the gradient-free passes changes
-        # Gradient-free scoring passes (old and reference log-probs) run in the training step's chunks, so they never
-        # hold more activations than a training chunk does. Rows are scored independently: same values.
-        if not torch.is_grad_enabled() and not is_multimodal(kwargs) and input_ids.size(0) > 1:
-            chunks = self._num_chunks_for(attention_mask.sum(1).tolist(), input_ids.device)
-            batch_size = min(batch_size or input_ids.size(0), math.ceil(input_ids.size(0) / chunks))
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
-        )
-
     @torch.no_grad()
     def _top_entropy_mask(self, model, inputs, chunks: list[Chunk], mask: torch.Tensor) -> torch.Tensor:
         """TRL's top-entropy token mask needs a quantile over the whole micro-batch: a gradient-free pass gets it."""
@@ -213,15 +190,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             entropies[chunk.rows, : chunk.width] = self._chunk_logps_and_entropies(model, inputs, chunk)[1].float()
         return self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
 
-    def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width)."""
-        input_ids, attention_mask = chunk_sequences(inputs, chunk)  # [b, P + t]
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, chunk.width, compute_entropy=True
-        )
-        return logps, entropies
-
-    def _log_chunk_metrics(self, mode: str, totals: ChunkStats) -> None:
+    def _log_chunk_metrics(self, mode: str, inputs, batch: _MicroBatch, totals: ChunkStats) -> None:
         """Append the micro-batch's metrics in TRL's order, with TRL's reductions."""
         metrics = self._metrics[mode]
         if self._entropy_bonus_enabled:

@@ -30,7 +30,7 @@ from trl.trainer.utils import use_adapter
 from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
 from slimrl.trainers.kto.loss import (
     COUNT_NAMES,
@@ -61,14 +61,13 @@ class KTOConfig(SlimFields, trl.KTOConfig):
 
 
 @dataclass(frozen=True)
-class _MicroBatch:
-    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk."""
+class _MicroBatch(ChunkPlan):
+    """What every chunk's share of the loss depends on, computed over the whole micro-batch before the first chunk.
+    The chunks hold sequences grouped by length; the normaliser is N, TRL's loss being the mean over the rows."""
 
-    chunks: list[Chunk]  # the sequences, grouped by length
     desirable: torch.Tensor  # [N] bool
     ref_logps: torch.Tensor  # [N] reference completion log-probs
     kl: torch.Tensor  # KTO's reference point, detached (zeros(1) for the KL-free losses, as TRL)
-    num_rows: int  # N: TRL's loss is the mean over the micro-batch's rows
 
 
 class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
@@ -96,12 +95,9 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # contract: a scalar loss whose backward() completes TRL's gradient (earlier chunks already backpropagated),
         # TRL's metrics appended to self._metrics[mode] once per micro-batch; (loss, outputs) via TRL's path
-        return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
-
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
-        """The mixin's chunked loss, over the batch's tensors on the accelerator's device."""
+        # the batch's tensors on the accelerator's device, as TRL's get_batch_loss_metrics moves them
         batch = {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-        return super()._chunked_loss(model, batch, mode, return_outputs, num_items_in_batch)
+        return self._loss_in_chunks_or_one_piece(model, batch, return_outputs, num_items_in_batch)
 
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
@@ -116,7 +112,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             return f"the batch carries inputs the chunked step does not split ({', '.join(unknown)})"
         return None
 
-    def _plan_micro_batch(self, model, batch) -> _MicroBatch:
+    def _plan_micro_batch(self, model, batch, mode: str, num_items_in_batch=None) -> _MicroBatch:
         """The chunk plan, the reference log-probs and the KL reference point, over the whole micro-batch."""
         device = batch["input_ids"].device
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=device)  # [N]
@@ -135,7 +131,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             with torch.no_grad():
                 policy_kl_logps = self._sequence_logps(model, batch, "KL_", kl_chunks)  # [N]
             kl = kl_reference_point(policy_kl_logps, ref_kl_logps, self.accelerator.gather_for_metrics)
-        return _MicroBatch(chunks, desirable, ref_logps.to(device), kl, desirable.numel())
+        return _MicroBatch(chunks, desirable.numel(), desirable, ref_logps.to(device), kl)
 
     def _chunk_loss(self, model, batch, plan: _MicroBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of the loss (with grad) and its share of the metric sums."""
@@ -145,7 +141,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
         logratios = logps - plan.ref_logps.index_select(0, rows)  # [b]
         losses = unpaired_losses(logratios, desirable, plan.kl, self.beta, self.loss_type)  # [b]
         weights = label_weights(desirable, self.desirable_weight, self.undesirable_weight, losses.dtype)  # [b]
-        loss = (weights * losses).sum() / plan.num_rows
+        loss = (weights * losses).sum() / plan.normaliser
         positions = chunk.width - 1  # shifted: position j predicts token j + 1
         stats = chunk_stats(logps, self.beta * logratios.detach(), desirable, outputs.entropy[:, -positions:],
                             outputs.mean_logits[:, -positions:], completion_mask[:, 1:])  # fmt: skip

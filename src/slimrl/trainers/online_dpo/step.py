@@ -6,7 +6,8 @@ log-ratio margin against the reference. Its `training_step` runs the policy over
 `[2B, T, vocab]` logits and every layer's activations of the micro-batch are alive together.
 
 `ChunkedOnlineDPOStep.training_step` ranks the pairs first (the rewards need only the completions), then runs the
-pairs in chunks, a pair's chosen and rejected sequence always together: per chunk the reference log-probs (no grad),
+pairs in chunks through the chunk-plan protocol (trainers/common/chunked_trainer.py) with the ranked rollout as its
+inputs, a pair's chosen and rejected sequence always together: per chunk the reference log-probs (no grad),
 the policy's through TRL's fused LM head (no `[tokens, vocab]` logits), the chunk's pair losses summed over the
 micro-batch's pair count, and its backward. The loss is a mean over pairs, so the summed gradient is TRL's. Every
 chunk keeps the micro-batch's full width: TRL's objective/kl and objective/entropy sum over padding columns too, and
@@ -27,7 +28,8 @@ from transformers.training_args import OptimizerNames
 from trl.data_utils import is_conversational
 from trl.experimental.utils import empty_cache
 
-from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length, run_chunks
+from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
+from slimrl.trainers.common.chunked_trainer import ChunkPlan
 
 __all__ = ["PAIR_LOSSES", "ChunkedOnlineDPOStep", "pair_losses", "rank_pairs"]
 
@@ -72,6 +74,19 @@ class Rollout:
         return self.completion_ids.size(0) // 2
 
 
+@dataclass(frozen=True)
+class RankedRollout:
+    """What the chunked loss of one step reads: the rollout, its rewards [2B], the chosen and rejected rows [B] of
+    each pair, which completions hold an EOS [2B], and the step's beta."""
+
+    rollout: Rollout
+    rewards: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    contain_eos: torch.Tensor
+    beta: float
+
+
 def _place(values: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
     """`values` [n] at `rows` of a zero vector [size]; summed over chunks they assemble the full vector."""
     return torch.zeros(size, dtype=values.dtype, device=values.device).index_copy(0, rows, values)
@@ -79,7 +94,8 @@ def _place(values: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
 
 class ChunkedOnlineDPOStep:
     """TRL's online DPO `training_step`, in chunks of pairs. Goes after SlimTrainerMixin (which wraps this step) and
-    before TRL's class in the bases; the trainer sets `_fused_head_obstacle` and `_ref_head_obstacle`."""
+    before ChunkedTrainerMixin and TRL's class in the bases; the trainer sets `_fused_head_obstacle` and
+    `_ref_head_obstacle`."""
 
     _fused_head_obstacle: str | None = None  # why the policy cannot score through the fused head (then TRL's forward)
     _ref_head_obstacle: str | None = None  # the same for a separate reference model
@@ -88,26 +104,19 @@ class ChunkedOnlineDPOStep:
         # contract: TRL's step: two completions per prompt, ranked by the rewards, the DPO loss backpropagated
         # without the accumulation division (as TRL's), TRL's stats appended to self.stats, and the detached loss
         # divided by gradient_accumulation_steps returned
-        reason = self._one_piece_reason(model, inputs)
+        reason = self._one_piece_reason(inputs, return_outputs=False)
         if reason is not None:
             self._log_fallback(reason)
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
-        prompts = inputs["prompt"]
-        rollout = self._rollout(model, prompts)
-        eos_ids = torch.tensor(self.eos_token_ids, device=rollout.completion_ids.device)
-        contain_eos = torch.isin(rollout.completion_ids, eos_ids).any(dim=-1)  # [2B] bool
-        rewards = self._rollout_rewards(inputs, rollout, contain_eos)  # [2B]
-        chosen, rejected = rank_pairs(rewards, rollout.num_pairs)
-        beta = self.beta
-        loss, totals = self._pair_chunks(model, rollout, chosen, rejected, beta)
-        self._log_step_stats(rewards, chosen, rejected, contain_eos, totals, beta)
+        result = self._chunked_loss(model, self._ranked_rollout(model, inputs), "train")
+        self.accelerator.backward(result.loss)  # the last chunk's graph (earlier chunks' losses enter detached)
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:
             empty_cache()
-        return loss.detach() / self.args.gradient_accumulation_steps
+        return result.loss.detach() / self.args.gradient_accumulation_steps
 
-    def _one_piece_reason(self, model, inputs) -> str | None:
+    def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this step must run as TRL's one-piece step, or None when chunks reproduce it."""
         if "image" in inputs:
             return "vision inputs are not chunked yet"
@@ -117,11 +126,28 @@ class ChunkedOnlineDPOStep:
             return "LOMO optimizers update the weights inside backward, which every chunk would call"
         if self.args.n_gpu > 1:
             return "DataParallel (n_gpu > 1) splits the micro-batch itself"
-        if _has_active_dropout(self.accelerator.unwrap_model(model)):
+        if _has_active_dropout(self.accelerator.unwrap_model(self.model)):
             return "dropout is active (disable_dropout=False), and chunked forwards would draw other dropout masks"
         return None
 
+    def _ga_divisor(self, num_items_in_batch) -> int:
+        # TRL's online DPO backpropagates every micro-batch's loss undivided, so the inner chunks do too
+        return 1
+
+    def _backward_inner_chunk(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        # as TRL's step backpropagates through accelerate: DeepSpeed divides by the accumulation steps
+        super()._backward_inner_chunk(loss, scale_wrt_gas=scale_wrt_gas)
+
     # -- generation and ranking ------------------------------------------------------------------------------------
+
+    def _ranked_rollout(self, model, inputs) -> RankedRollout:
+        """Generate two completions per prompt, score them and rank each pair."""
+        rollout = self._rollout(model, inputs["prompt"])
+        eos_ids = torch.tensor(self.eos_token_ids, device=rollout.completion_ids.device)
+        contain_eos = torch.isin(rollout.completion_ids, eos_ids).any(dim=-1)  # [2B] bool
+        rewards = self._rollout_rewards(inputs, rollout, contain_eos)  # [2B]
+        chosen, rejected = rank_pairs(rewards, rollout.num_pairs)
+        return RankedRollout(rollout, rewards, chosen, rejected, contain_eos, self.beta)
 
     def _rollout(self, model, prompts) -> Rollout:
         """Two completions per prompt from TRL's generation (or slimrl's engine behind `_generate`)."""
@@ -156,30 +182,18 @@ class ChunkedOnlineDPOStep:
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 
-    def _pair_chunks(self, model, rollout: Rollout, chosen, rejected, beta: float) -> tuple[torch.Tensor, ChunkStats]:
-        """Forward and backward of every chunk of pairs; returns TRL's loss (detached after its backward) and the
-        chunks' stats summed."""
-        num_pairs, width = rollout.num_pairs, rollout.input_ids.size(1)
-        count = self._num_chunks_for([2 * width] * num_pairs, rollout.input_ids.device)
-        # every pair is as long as the micro-batch (full width), so the plan just splits the pairs in order
-        chunks = plan_by_length(torch.full((num_pairs,), 2 * width), count)
+    def _plan_micro_batch(self, model, ranked: RankedRollout, mode: str, num_items_in_batch=None) -> ChunkPlan:
+        """The pairs in chunks, each chunk's pair losses over the micro-batch's pair count. Every pair is as long as
+        the micro-batch (full width), so the plan just splits the pairs in order."""
+        num_pairs, width = ranked.rollout.num_pairs, ranked.rollout.input_ids.size(1)
+        count = self._num_chunks_for([2 * width] * num_pairs, ranked.rollout.input_ids.device)
+        return ChunkPlan(plan_by_length(torch.full((num_pairs,), 2 * width), count), normaliser=num_pairs)
 
-        # TRL backpropagates the unscaled loss of every micro-batch (it never divides by the accumulation steps), so
-        # the inner chunks do too; `no_sync` keeps the data-parallel all-reduce for the last backward
-        loss, totals = run_chunks(
-            chunks,
-            lambda chunk: self._pair_chunk_loss(model, rollout, chosen, rejected, chunk, beta),
-            lambda loss: self._backward_inner_chunk(loss, scale_wrt_gas=True),
-            lambda: self.accelerator.no_sync(model),
-        )
-        self.accelerator.backward(loss)  # the last chunk's graph (earlier chunks' losses enter detached)
-        return loss.detach(), totals
-
-    def _pair_chunk_loss(self, model, rollout: Rollout, chosen, rejected, chunk: Chunk, beta: float):
+    def _chunk_loss(self, model, ranked: RankedRollout, plan: ChunkPlan, chunk: Chunk):
         """One chunk's share of TRL's loss (its pair losses over the micro-batch's pair count) and its stats."""
-        num_pairs = rollout.num_pairs
-        pairs = chunk.rows.to(chosen.device)
-        rows = torch.cat([chosen[pairs], rejected[pairs]])  # [2b] chosen rows, then rejected rows
+        rollout, num_pairs, beta = ranked.rollout, plan.normaliser, ranked.beta
+        pairs = chunk.rows.to(ranked.chosen.device)
+        rows = torch.cat([ranked.chosen[pairs], ranked.rejected[pairs]])  # [2b] chosen rows, then rejected rows
         mask = rollout.completion_mask[rows]  # [2b, C]
         ref_logprobs = self._reference_logprobs(rollout, rows)  # [2b, C] no grad
         logprobs = self._completion_logprobs(model, rollout, rows, self._fused_head_obstacle)  # [2b, C]
@@ -221,9 +235,10 @@ class ChunkedOnlineDPOStep:
 
     # -- TRL's stats -----------------------------------------------------------------------------------------------
 
-    def _log_step_stats(self, rewards, chosen, rejected, contain_eos, totals: ChunkStats, beta: float) -> None:
+    def _log_chunk_metrics(self, mode: str, ranked: RankedRollout, plan: ChunkPlan, totals: ChunkStats) -> None:
         """Append the step's stats to self.stats with TRL's names and reductions."""
         gather, stats = self.accelerator.gather_for_metrics, self.stats
+        rewards, chosen, rejected, beta = ranked.rewards, ranked.chosen, ranked.rejected, ranked.beta
 
         def mean_over_processes(value: torch.Tensor) -> float:
             return gather(value).mean().item()
@@ -231,7 +246,7 @@ class ChunkedOnlineDPOStep:
         if self.reward_funcs is not None:
             stats["objective/scores_margin"].append(mean_over_processes((rewards[chosen] - rewards[rejected]).mean()))
             stats["objective/scores"].append(mean_over_processes(rewards.mean()))
-        stats["val/contain_eos_token"].append(contain_eos.float().mean().item())
+        stats["val/contain_eos_token"].append(ranked.contain_eos.float().mean().item())
         stats["logps/chosen"].append(mean_over_processes(totals["chosen_logps"]))
         stats["logps/rejected"].append(mean_over_processes(totals["rejected_logps"]))
         stats["objective/kl"].append(mean_over_processes(totals["kl"].mean()))

@@ -44,7 +44,7 @@ class OnlineDPOConfig(RolloutFields, SlimFields, _trl_online_dpo.OnlineDPOConfig
     the rollouts' (RolloutFields: generation_backend, deterministic_rollouts), after TRL's fields."""
 
 
-class OnlineDPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, ChunkedOnlineDPOStep,
+class OnlineDPOTrainer(SlimTrainerMixin, ChunkedOnlineDPOStep, ChunkedTrainerMixin, EngineRolloutMixin,
                        _trl_online_dpo.OnlineDPOTrainer):  # fmt: skip
     """TRL's OnlineDPOTrainer whose rollouts may come from slimrl's engine and whose step runs in chunks of pairs.
     Same constructor, same results."""

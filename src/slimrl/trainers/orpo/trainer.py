@@ -55,7 +55,7 @@ def odds_ratio_terms(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, b
     return -beta * log_sigmoid, beta * chosen.detach(), beta * rejected.detach(), log_sigmoid, log_odds
 
 
-class ORPOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, PairedChunkedMixin, _trl_orpo.ORPOTrainer):
+class ORPOTrainer(SlimTrainerMixin, PairedChunkedMixin, ChunkedTrainerMixin, _trl_orpo.ORPOTrainer):
     """TRL's ORPOTrainer whose step runs in chunks of pairs. Same constructor, same results."""
 
     _trl_trainer = _trl_orpo.ORPOTrainer

@@ -17,9 +17,9 @@ Saved layout (`save`/`load`): the policy as `save_pretrained` writes it (the ada
 top of the directory, a separate value model under `value_model/`, and a value head of slimrl's own in
 `value_head.safetensors`.
 
-Beside the module: the other models PPO keeps (`reference_model`), the tensors a rollout's sequences become
-(`rollout_tensors`; a chunk's rows of them come from `chunked_step.chunk_sequences`) and the gradient-free pass that
-scores a rollout (`score_rollout`).
+Beside the module: how the policy is loaded (`load_policy`, `load_weights`), the other models PPO keeps
+(`reference_model`) and `disable_dropout`. The rollout's tensors, its gradient-free scoring pass and its buffer are in
+rollout.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from slimrl.models.unwrap import unwrap_model
-from slimrl.trainers.common.chunked_step import Chunk, chunk_sequences
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_MODEL_DIR = "value_model"
@@ -206,8 +205,6 @@ def load_weights(model: nn.Module, directory: str) -> None:
         raise ValueError(f"{directory} holds weights this model does not have: {unexpected[:5]}")
 
 
-
-
 # -- the other models ------------------------------------------------------------------------------------------------
 
 
@@ -243,61 +240,5 @@ def disable_dropout(module: nn.Module | None) -> None:
             layer.p = 0.0
 
 
-# -- a rollout's sequences as tensors --------------------------------------------------------------------------------
-
-
-def left_pad(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [N, P], mask [N, P]) of left-padded sequences."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
-    return ids, mask
-
-
-def cut_at_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
-    """The tokens up to and including the first EOS (all of them when there is none)."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
-def rollout_tensors(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
-    """Left-padded prompts [N, P] and right-padded completions [N, T], with their masks."""
-    prompts, prompt_mask = left_pad(prompt_ids, pad)
-    width = max(1, max(len(c) for c in completion_ids))
-    completions = torch.tensor([list(c) + [pad] * (width - len(c)) for c in completion_ids], dtype=torch.long)
-    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completion_ids], dtype=torch.long)
-    return {"prompt_ids": prompts, "prompt_mask": prompt_mask, "completion_ids": completions,
-            "completion_mask": completion_mask}  # fmt: skip
-
-
-def sequence_lengths(batch: dict) -> list[int]:
-    return (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
-
-
-@torch.no_grad()
-def score_rollout(model: PolicyAndValue, ref_model: nn.Module | None, batch: dict, chunks: list[Chunk],
-                  temperature: float, with_reference: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Old log-probs, values and reference log-probs [N, T] of a rollout, gradient-free, chunk by chunk. The
-    reference is `ref_model`, else the policy with its adapter disabled; a full policy without one is its own
-    reference (KL 0: only when kl_coef=0, see `reference_model`). with_reference=False (kl_coef=0) skips the
-    reference forward: the reference log-probs returned are the old ones."""
-    mask = batch["completion_mask"]
-    old_logps, values, ref_logps = (torch.zeros(mask.shape, device=mask.device) for _ in range(3))
-    for chunk in chunks:
-        ids, attention = chunk_sequences(batch, chunk)
-        logps, _, chunk_values = model(ids, attention, chunk.width, temperature)
-        old_logps[chunk.rows, : chunk.width], values[chunk.rows, : chunk.width] = logps, chunk_values
-        if with_reference and ref_model is not None:
-            logps = policy_logprobs(ref_model, ids, attention, chunk.width, temperature)[0]
-        elif with_reference and hasattr(model.policy, "disable_adapter"):
-            with model.reference():
-                logps = policy_logprobs(model.policy, ids, attention, chunk.width, temperature)[0]
-        ref_logps[chunk.rows, : chunk.width] = logps
-    return old_logps, values, ref_logps
-
-
-__all__ = ["PolicyAndValue", "ValueHead", "completion_states", "cut_at_eos", "disable_dropout",
-           "left_pad", "load_policy", "load_weights", "policy_logprobs", "reference_model", "rollout_tensors",
-           "score_rollout", "sequence_lengths"]  # fmt: skip
+__all__ = ["PolicyAndValue", "ValueHead", "completion_states", "disable_dropout", "load_policy", "load_weights",
+           "policy_logprobs", "reference_model"]  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datasets import Dataset
 from trl.data_utils import get_dataset_column_names
 
-from slimrl.trainers.sft.inputs import report_dropped_rows
+from slimrl.trainers.common.dataset_checks import report_dropped_rows
 
 PAIRED_COLUMNS = (("chosen", "rejected"), ("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
 

@@ -24,11 +24,11 @@ import trl
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from slimrl.trainers.common.base import SlimTrainerMixin
+from slimrl.trainers.common.batches import row_lengths, run_level_obstacle
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.chunked_trainer import ChunkedLoss, ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
 from slimrl.trainers.reward.inputs import check_pairs_kept, check_reward_columns
-from slimrl.trainers.sft.chunks import row_lengths, run_level_obstacle
 
 __all__ = ["RewardConfig", "RewardTrainer"]
 
@@ -71,19 +71,19 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         # with return_outputs (evaluation), outputs whose logits are TRL's rewards [2P, 1]
         return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
-        """The micro-batch's pairs scored chunk by chunk; the rewards of all chunks make TRL's metrics and outputs."""
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch=None) -> ChunkPlan:
+        """The micro-batch's pairs in chunks (a pair's chosen and rejected rows together), each chunk's terms over the
+        micro-batch's pair count."""
         num_pairs = inputs["input_ids"].size(0) // 2
         lengths = row_lengths(inputs)  # [2P]
         pair_widths = torch.maximum(lengths[:num_pairs], lengths[num_pairs:])  # [P]
         pair_tokens = (lengths[:num_pairs] + lengths[num_pairs:]).tolist()
         chunks = plan_by_length(pair_widths, self._num_chunks_for(pair_tokens, inputs["input_ids"].device))
-        loss, totals = self._run_chunks(
-            model, chunks, lambda chunk: self._chunk_loss(model, inputs, chunk, num_pairs), num_items_in_batch
-        )
-        rewards = torch.cat([totals[CHOSEN], totals[REJECTED]]).unsqueeze(-1)  # [2P, 1], as the model's logits
-        self._log_chunk_metrics(mode, inputs, rewards, num_pairs)
-        return (loss, SequenceClassifierOutputWithPast(logits=rewards)) if return_outputs else loss
+        return ChunkPlan(chunks, normaliser=num_pairs)
+
+    def _chunk_outputs(self, result: ChunkedLoss) -> SequenceClassifierOutputWithPast:
+        """TRL's outputs: the micro-batch's rewards [2P, 1] (chosen rows, then rejected) as the model's logits."""
+        return SequenceClassifierOutputWithPast(logits=_rewards(result.totals))
 
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch of pairs must run through TRL's one-piece loss, or None when chunking is exact."""
@@ -97,8 +97,9 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
             return f"the batch carries inputs slimrl does not know how to split ({', '.join(unknown)})"
         return run_level_obstacle(self.args, self.accelerator)
 
-    def _chunk_loss(self, model, inputs, chunk: Chunk, num_pairs: int) -> tuple[torch.Tensor, ChunkStats]:
+    def _chunk_loss(self, model, inputs, plan: ChunkPlan, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """The loss terms of one chunk's pairs, each divided by the micro-batch's pair count, and their rewards."""
+        num_pairs = plan.normaliser
         pairs = chunk.rows.to(inputs["input_ids"].device)  # [p]
         rows = torch.cat([pairs, pairs + num_pairs])  # [2p]: the chunk's chosen rows, then their rejected rows
         chunk_inputs = {key: inputs[key].index_select(0, rows)[:, : chunk.width] for key in MODEL_INPUT_KEYS}
@@ -116,8 +117,9 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         }
         return loss, stats
 
-    def _log_chunk_metrics(self, mode: str, inputs, rewards: torch.Tensor, num_pairs: int) -> None:
+    def _log_chunk_metrics(self, mode: str, inputs, plan: ChunkPlan, totals: ChunkStats) -> None:
         """TRL's metrics, names and order, from the micro-batch's rewards [2P, 1] gathered as TRL gathers its own."""
+        rewards, num_pairs = _rewards(totals), plan.normaliser
         metrics = self._metrics[mode]
         if mode == "train":
             local_tokens = inputs["attention_mask"].sum()
@@ -132,3 +134,8 @@ class RewardTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.RewardTrainer):
         metrics["accuracy"].append(self.accelerator.gather_for_metrics(accuracy).mean().item())
         margin = (chosen - rejected).mean()
         metrics["margin"].append(self.accelerator.gather_for_metrics(margin).mean().item())
+
+
+def _rewards(totals: ChunkStats) -> torch.Tensor:
+    """The micro-batch's rewards [2P, 1], chosen rows then rejected rows, from the chunks' summed stats."""
+    return torch.cat([totals[CHOSEN], totals[REJECTED]]).unsqueeze(-1)

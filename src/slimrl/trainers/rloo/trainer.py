@@ -16,8 +16,8 @@ Overrides, each for one reason (and each keeping TRL's contract, said in a `cont
   chunk's loss divided by the micro-batch's sequence count, so the summed gradient is TRL's; logs TRL's metrics
   (entropy, clip_ratio/*) with TRL's names and values. Multimodal batches and the MoE load-balancing loss run
   through TRL's one-piece loss instead (logged once per reason).
-- `_get_per_token_logps_and_entropies`: the gradient-free scoring passes (old and reference log-probs, which TRL
-  runs a whole micro-batch at a time) run in the training step's chunk size.
+- `_get_per_token_logps_and_entropies` (from `ChunkedScoringMixin`, shared with GRPO): the gradient-free scoring
+  passes (old and reference log-probs, which TRL runs a whole micro-batch at a time) in the training step's chunk size.
 `SlimTrainerMixin` (trainers/common/base.py) adds the NaN guards and the attention-backend choice around every step, and
 `ResumableTrainerMixin` (trainers/common/resume.py) saves the generation buffer and data order with each checkpoint.
 Everything else (generation bookkeeping, rewards, the KL penalty in the reward, advantages, logging) is TRL's.
@@ -25,7 +25,6 @@ Everything else (generation bookkeeping, rewards, the KL penalty in the reward, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +32,13 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from slimrl.trainers.common.base import SlimTrainerMixin
-from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, chunk_sequences, plan_chunks, take
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.batches import is_multimodal
+from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_chunks, take
+from slimrl.trainers.common.chunked_trainer import ChunkedScoringMixin, ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.dataset_checks import check_prompt_datasets
 from slimrl.trainers.common.resume import ResumableTrainerMixin
 from slimrl.trainers.common.rewards_guard import CheckedRewardsMixin, guard_reward_funcs
 from slimrl.trainers.common.slim_fields import SlimFields
-from slimrl.trainers.grpo.inputs import is_multimodal
 from slimrl.trainers.rollouts.engine_rollouts import EngineRolloutMixin
 from slimrl.trainers.rollouts.rollout_fields import RolloutFields, with_rollout_fields
 
@@ -57,8 +56,8 @@ class RLOOConfig(RolloutFields, SlimFields, trl.RLOOConfig):
     generation_backend, deterministic_rollouts), after TRL's fields."""
 
 
-class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, EngineRolloutMixin, CheckedRewardsMixin,
-                  trl.RLOOTrainer):
+class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedScoringMixin, ChunkedTrainerMixin, EngineRolloutMixin,
+                  CheckedRewardsMixin, trl.RLOOTrainer):
     """TRL's RLOOTrainer whose rollouts may come from slimrl's engine and whose training step runs in chunks of
     sequences. Same constructor, same results."""
 
@@ -87,19 +86,14 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             raise ValueError("The RLOOTrainer does not support returning outputs")
         return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch) -> torch.Tensor:
-        """The micro-batch's sequences chunk by chunk, each term over the micro-batch's sequence count."""
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch=None) -> ChunkPlan:
+        """The micro-batch's sequences in chunks; each chunk's terms over the micro-batch's sequence count."""
         completion_mask = inputs["completion_mask"]  # [N, T]
         lengths = (inputs["prompt_mask"].sum(1) + completion_mask.sum(1)).tolist()
         chunks = plan_chunks(completion_mask, self._num_chunks_for(lengths, completion_mask.device))
-        num_sequences = completion_mask.size(0)  # the mean's denominator: the whole micro-batch's, for every chunk
-        loss, totals = self._run_chunks(
-            model, chunks, lambda chunk: self._chunk_loss(model, inputs, chunk, num_sequences), num_items_in_batch
-        )
-        self._log_chunk_metrics(mode, totals)
-        return loss
+        return ChunkPlan(chunks, normaliser=completion_mask.size(0))
 
-    def _one_piece_reason(self, inputs, return_outputs: bool = False) -> str | None:
+    def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking applies."""
         if is_multimodal(inputs):
             return "multimodal inputs are not chunked yet"
@@ -107,9 +101,10 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
             return "the MoE load-balancing loss depends on all tokens of the micro-batch at once"
         return None
 
-    def _chunk_loss(self, model, inputs, chunk: Chunk, num_sequences: int) -> tuple[torch.Tensor, ChunkStats]:
+    def _chunk_loss(self, model, inputs, plan: ChunkPlan, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of TRL's loss (with grad): its sequences' clipped losses summed, over the micro-batch's
         sequence count; and the detached parts of TRL's metrics."""
+        num_sequences = plan.normaliser  # the whole micro-batch's, for every chunk
         mask = take(inputs["completion_mask"], chunk, inputs["completion_ids"].size(1))  # [b, t]
         per_token_logps, entropies = self._chunk_logps_and_entropies(model, inputs, chunk)  # [b, t] each
         logps = (per_token_logps * mask).sum(1)  # [b] sequence log-probs
@@ -130,16 +125,7 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         }
         return loss, stats
 
-    def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [b, t] of one chunk's completions (its rows, cut to its width)."""
-        input_ids, attention_mask = chunk_sequences(inputs, chunk)  # [b, P + t]
-        # TRL's own method: the chunk is already the size of one forward, so the scoring split below is not wanted
-        logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, chunk.width, compute_entropy=True
-        )
-        return logps, entropies
-
-    def _log_chunk_metrics(self, mode: str, totals: ChunkStats) -> None:
+    def _log_chunk_metrics(self, mode: str, inputs, plan: ChunkPlan, totals: ChunkStats) -> None:
         """Append the micro-batch's metrics with TRL's names, order and reductions."""
         metrics = self._metrics[mode]
         entropy = self.accelerator.reduce(totals[ENTROPY], reduction="sum")
@@ -151,24 +137,3 @@ class RLOOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, 
         metrics["clip_ratio/high_mean"].append(high.nanmean().item())
         metrics["clip_ratio/high_max"].append(nanmax(high).item())
         metrics["clip_ratio/region_mean"].append(self.accelerator.gather(totals[REGION_CLIPPED]).nanmean().item())
-
-    # -- gradient-free scoring -------------------------------------------------------------------------------------
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           **kwargs):  # fmt: skip
-        # contract: TRL's (logps [B, T], entropies [B, T] or None, aux loss or None) with the same values; only the
-        # rows per forward of the gradient-free passes change
-        # TRL scores the generation batch one training micro-batch at a time; slimrl splits each of those as the
-        # training step splits a micro-batch, so no scoring pass holds more activations than a training chunk does.
-        # Rows are scored independently: same values.
-        if not torch.is_grad_enabled() and not is_multimodal(kwargs) and input_ids.size(0) > 1:
-            batch_size = self._scoring_rows(attention_mask, batch_size or input_ids.size(0))
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
-        )
-
-    def _scoring_rows(self, attention_mask: torch.Tensor, rows_per_pass: int) -> int:
-        """Rows per forward of a scoring pass: TRL's `rows_per_pass` split into the training step's chunk count,
-        sized (with num_chunks="auto") for the longest sequences such a pass could hold."""
-        longest = sorted(attention_mask.sum(1).tolist(), reverse=True)[:rows_per_pass]
-        return max(1, math.ceil(rows_per_pass / self._num_chunks_for(longest, attention_mask.device)))

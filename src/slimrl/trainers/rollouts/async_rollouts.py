@@ -20,6 +20,7 @@ from __future__ import annotations
 class AsyncRolloutMixin:
     """One step of lookahead over the training batches, for a GRPO trainer whose args carry RolloutFields."""
 
+    supports_async_generation = True  # read by EngineRolloutMixin, after this mixin in the bases
     _stale_rollouts = False  # True once async_generation is checked and on
 
     @property

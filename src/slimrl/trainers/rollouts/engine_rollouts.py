@@ -29,6 +29,9 @@ class EngineRolloutMixin:
 
     # True where TRL's `_generate_single_turn` returns (ids, log-probs) (GRPO); False where it returns ids (RLOO).
     single_turn_returns_logprobs: bool = True
+    # True where the trainer trains on one-step-stale rollouts with TRL's importance-sampling correction
+    # (AsyncRolloutMixin, GRPO only: TRL's RLOO and online DPO have no such correction)
+    supports_async_generation: bool = False
 
     def _choose_generation_backend(self) -> None:
         """Who generates (`generation_backend`): the config's generation_backend, the model's fast_inference and what
@@ -38,7 +41,7 @@ class EngineRolloutMixin:
 
         self._rollout_engine = None
         device = getattr(self.args, "generation_device", None)
-        if getattr(self.args, "async_generation", False) and not hasattr(self, "_check_async_generation"):
+        if getattr(self.args, "async_generation", False) and not self.supports_async_generation:
             raise ValueError(f"async_generation=True trains on rollouts one step stale, corrected by TRL's "
                              f"importance sampling, which TRL's GRPO has and {type(self).__name__} does not; turn it "
                              "off (generation_device alone works here).")  # fmt: skip

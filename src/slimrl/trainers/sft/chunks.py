@@ -31,38 +31,7 @@ def unsplit_keys(inputs: dict) -> list[str]:
     return sorted(key for key, value in inputs.items() if key not in MODEL_INPUT_KEYS and value is not None)
 
 
-def shards_sequences(accelerator) -> bool:
-    """Whether context or sequence parallelism splits each sequence across ranks (chunks of whole rows then no longer
-    hold whole sequences)."""
-    config = accelerator.parallelism_config
-    return config is not None and bool(getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False))
-
-
-def run_level_obstacle(args, accelerator) -> str | None:
-    """Why no batch of this run can be chunked exactly, whatever it holds (SFT and reward models), or None."""
-    if args.activation_offloading:
-        return ("activation_offloading is set, and TRL's offloader expects one forward and one backward per step "
-                "(slimrl's offload_checkpoints offloads with chunking)")  # fmt: skip
-    if shards_sequences(accelerator):
-        return "context or sequence parallelism shards each sequence across ranks"
-    return None
-
-
-def is_padding_free(inputs: dict) -> bool:
-    return inputs.get("attention_mask") is None and inputs.get("position_ids") is not None
-
-
 # -- padded rows ---------------------------------------------------------------------------------------------------
-
-
-def row_lengths(inputs: dict) -> torch.Tensor:
-    """[N] host: each row's last attended column + 1 (every column when there is no attention mask)."""
-    input_ids = inputs["input_ids"]  # [N, T]
-    mask = inputs.get("attention_mask")
-    if mask is None:
-        return torch.full((input_ids.size(0),), input_ids.size(1), dtype=torch.long)
-    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
-    return (mask.bool() * positions).amax(dim=1).cpu()
 
 
 def plan_rows(lengths: torch.Tensor, num_chunks: int, width: int) -> list[Chunk]:

@@ -3,10 +3,10 @@ to a run that silently trains on something else than asked: each check is an err
 
 from __future__ import annotations
 
-import warnings
-
 from datasets import Dataset
 from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
+
+from slimrl.trainers.common.dataset_checks import report_dropped_rows
 
 SFT_FORMATS = (
     "a '{text}' column of plain text (or set dataset_text_field to the column that holds it)",
@@ -65,22 +65,6 @@ def check_preparation_kept_examples(prepared, original, name: str, max_length: i
         when_all="Raise max_length, or shorten the prompts.",
         when_some="; they are left out. Raise max_length to keep them.",
     )
-
-
-def report_dropped_rows(prepared, original, describe, when_all: str, when_some: str) -> None:
-    """After TRL's preparation of `original` into `prepared` (both map-style datasets, else nothing is counted): an
-    error when it left out every row, a warning when it left out some. `describe(dropped, total)` says which rows
-    went and why; `when_all` (after ", so nothing is left to train on. ") and `when_some` end the message."""
-    if not isinstance(prepared, Dataset) or not isinstance(original, Dataset):
-        return
-    dropped = len(original) - len(prepared)
-    if dropped <= 0:
-        return
-    message = describe(dropped, len(original))
-    if dropped == len(original):
-        raise ValueError(f"{message}, so nothing is left to train on. {when_all}")
-    # the caller's caller is the trainer's `_prepare_dataset`; the warning points at the user's constructor call
-    warnings.warn(f"{message}{when_some}", UserWarning, stacklevel=5)
 
 
 def check_pretokenized_lengths(dataset, name: str, max_length: int | None) -> None:

@@ -27,19 +27,16 @@ from accelerate.utils import is_peft_model
 from transformers import TrainingArguments
 
 from slimrl.trainers.common.base import SlimTrainerMixin
+from slimrl.trainers.common.batches import is_multimodal, is_padding_free, row_lengths, run_level_obstacle
 from slimrl.trainers.common.chunked_step import ChunkStats
-from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
+from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
-from slimrl.trainers.grpo.inputs import is_multimodal
 from slimrl.trainers.sft.chunks import (
-    is_padding_free,
     packed_chunk_inputs,
     packed_lengths,
     padded_chunk_inputs,
     plan_packed,
     plan_rows,
-    row_lengths,
-    run_level_obstacle,
     unsplit_keys,
 )
 from slimrl.trainers.sft.inputs import (
@@ -72,10 +69,11 @@ def sft_args(args, model) -> SFTConfig:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """A micro-batch cut into chunks: the chunks, and how to build one chunk's model inputs."""
+class _Plan(ChunkPlan):
+    """A micro-batch cut into chunks: the chunks, the label-token count every chunk's summed loss is divided by (and
+    the factor it is then multiplied by), and how to build one chunk's model inputs."""
 
-    chunks: list
+    scale: int
     inputs_for: Callable[[Any], dict]
 
 
@@ -112,22 +110,6 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
         # backpropagated with HF Trainer's accumulation scaling); TRL's metrics appended to self._metrics[mode]
         return self._loss_in_chunks_or_one_piece(model, inputs, return_outputs, num_items_in_batch)
 
-    def _chunked_loss(self, model, inputs, mode: str, return_outputs: bool, num_items_in_batch):
-        """The micro-batch through the fused LM head chunk by chunk; a packed row whose sequences cannot be told
-        apart still goes through TRL's one-piece loss."""
-        plan, reason = self._plan(inputs)
-        if reason is not None:
-            return self._one_piece_loss(reason, model, inputs, return_outputs, num_items_in_batch)
-        normaliser, scale = self._normaliser(inputs, num_items_in_batch)
-        loss, totals = self._run_chunks(
-            model,
-            plan.chunks,
-            lambda chunk: self._chunk_loss(model, plan.inputs_for(chunk), normaliser, scale),
-            num_items_in_batch,
-        )
-        self._log_chunk_metrics(mode, inputs, totals)
-        return loss
-
     def _one_piece_reason(self, inputs, return_outputs: bool) -> str | None:
         """Why this batch must run through TRL's own one-piece loss, or None when chunking is exact."""
         if return_outputs:
@@ -155,21 +137,22 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
         unknown = unsplit_keys(inputs)
         if unknown:
             return f"the batch carries inputs slimrl does not know how to split ({', '.join(unknown)})"
+        if is_padding_free(inputs):
+            return packed_lengths(inputs)[1]  # a packed row whose sequences cannot be told apart
         return None
 
-    def _plan(self, inputs) -> tuple[_Plan | None, str | None]:
-        """The micro-batch's chunks: rows grouped by length, or consecutive whole sequences of the packed row."""
+    def _plan_micro_batch(self, model, inputs, mode: str, num_items_in_batch=None) -> _Plan:
+        """The micro-batch's chunks (rows grouped by length, or consecutive whole sequences of the packed row) and the
+        normaliser of TRL's loss."""
         device = inputs["input_ids"].device
+        normaliser, scale = self._normaliser(inputs, num_items_in_batch)
         if is_padding_free(inputs):
-            lengths, reason = packed_lengths(inputs)
-            if reason is not None:
-                return None, reason
+            lengths = packed_lengths(inputs)[0]
             chunks = plan_packed(lengths, self._num_chunks_for(lengths, device))
-            return _Plan(chunks, lambda chunk: packed_chunk_inputs(inputs, chunk)), None
+            return _Plan(chunks, normaliser, scale, lambda chunk: packed_chunk_inputs(inputs, chunk))
         lengths = row_lengths(inputs)
-        num_chunks = self._num_chunks_for(lengths.tolist(), device)
-        chunks = plan_rows(lengths, num_chunks, inputs["input_ids"].size(1))
-        return _Plan(chunks, lambda chunk: padded_chunk_inputs(inputs, chunk)), None
+        chunks = plan_rows(lengths, self._num_chunks_for(lengths.tolist(), device), inputs["input_ids"].size(1))
+        return _Plan(chunks, normaliser, scale, lambda chunk: padded_chunk_inputs(inputs, chunk))
 
     def _normaliser(self, inputs, num_items_in_batch) -> tuple[torch.Tensor, int]:
         """(what TRL divides the micro-batch's summed token loss by, what it then multiplies it by), fixed before the
@@ -184,16 +167,16 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
             scale = self.accelerator.num_processes // self.get_tp_size()
         return torch.as_tensor(count).clamp(min=1), scale
 
-    def _chunk_loss(self, model, chunk_inputs: dict, normaliser: torch.Tensor, scale: int
-                    ) -> tuple[torch.Tensor, ChunkStats]:  # fmt: skip
+    def _chunk_loss(self, model, inputs, plan: _Plan, chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of the loss (with grad) and its label-token, entropy and top-1 counts."""
-        outputs = model(**chunk_inputs, fused_lm_head=True)  # per-token fields [b, t - 1], zero where label is -100
+        # per-token fields [b, t - 1], zero where the label is -100
+        outputs = model(**plan.inputs_for(chunk), fused_lm_head=True)
         per_token_loss = -outputs.log_probs
         if self.args.loss_type == "dft":  # DFT: each token's loss weighted by its (constant) probability
             per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
-        loss = per_token_loss.sum() / normaliser
-        if scale != 1:
-            loss = loss * scale
+        loss = per_token_loss.sum() / plan.normaliser
+        if plan.scale != 1:
+            loss = loss * plan.scale
         stats = {
             LABEL_TOKENS: outputs.label_mask.sum(),
             ENTROPY_SUM: outputs.entropy.detach().sum(),
@@ -201,7 +184,7 @@ class SFTTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.SFTTrainer):
         }
         return loss, stats
 
-    def _log_chunk_metrics(self, mode: str, inputs, totals: ChunkStats) -> None:
+    def _log_chunk_metrics(self, mode: str, inputs, plan: _Plan, totals: ChunkStats) -> None:
         """TRL's metrics, names and order, from the chunks' sums gathered as TRL gathers its own."""
         gather = self.accelerator.gather_for_metrics
         num_valid = gather(totals[LABEL_TOKENS]).sum()
