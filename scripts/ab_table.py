@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def figures(folder: Path) -> dict[str, float | str]:
-    """name -> value of the W1, W4 and W2 figures a version's run wrote into `folder` ("missing" where a run wrote nothing)."""
+    """name -> value of the W1, W4 and W2 figures a version's run wrote into `folder` ("missing" where a run wrote
+    nothing)."""
     found: dict[str, float | str] = {}
     sources = {
         "w1": (folder / "grpo_memory.json", lambda r: r["results"].get("slimrl_L4096", {})),
