@@ -27,11 +27,56 @@ def build(arch: str, seed: int = 0, **overrides):
                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
                                      "pad_token_id", "eos_token_id", "tie_word_embeddings")}  # fmt: skip
     config = Qwen3Config(head_dim=16, **common) if arch == "qwen3" else MistralConfig(sliding_window=None, **common)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj; no sliding window
+        from transformers import Phi3Config
+
+        config = Phi3Config(sliding_window=None, **common)
+    if arch in GEMMA_ARCHS:
+        config = gemma_config(arch, common, overrides)
+    if arch in MOE_ARCHS:
+        config = moe_config(arch, common, overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
+        if arch in GEMMA_ARCHS:  # Gemma's norms start at zero (scale 1 + 0): random ones make each norm matter
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.data.normal_(0.0, 0.5)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 3
     return model.eval()
+
+
+GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def gemma_config(arch: str, common: dict, overrides: dict):
+    """A tiny Gemma 2 / Gemma 3 text config: a sliding then a global layer (a window longer than the tests'
+    sequences unless `sliding_window` is given), query_pre_attn_scalar other than head_dim, Gemma 3's local and
+    global RoPE bases apart; for Gemma 2, weights and caps at a scale where the soft-capping changes the scores."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    settings = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=64, hidden_activation=
+                    "gelu_pytorch_tanh", layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    if arch == "gemma2":
+        settings.update(initializer_range=0.2, attn_logit_softcapping=1.0, final_logit_softcapping=4.0)
+    settings.update(overrides)
+    return Gemma2Config(**settings) if arch == "gemma2" else Gemma3TextConfig(**settings)
+
+
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def moe_config(arch: str, common: dict, overrides: dict):
+    """A tiny Qwen3-MoE / Mixtral config: 4 experts, top-2 (Qwen3-MoE without renormalising the top-k weights,
+    Mixtral always renormalises); Qwen3-MoE's layers are all sparse unless `mlp_only_layers` says otherwise."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    if arch == "mixtral":
+        return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common)
+    settings = dict(common, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    settings.update({k: v for k, v in overrides.items() if k in ("head_dim", "norm_topk_prob", "mlp_only_layers")})
+    return Qwen3MoeConfig(**settings)
 
 
 def with_lora(model, seed: int = 1):
@@ -99,3 +144,47 @@ def sampled_by_generate(model, prompts, new_tokens, **filters):
     rows = out[:, ids.shape[1] :].tolist()
     return [row[: row.index(3) + 1] if 3 in row else row for row in rows]
 
+
+def step_the_adapter(model, lr: float, keep=lambda name: True) -> list[torch.nn.Parameter]:
+    """One SGD step on the adapter weights whose names `keep` accepts, pushing every prompt of PROMPTS towards token
+    77 at its last position; the model is back in eval mode after. Returns the stepped parameters."""
+    params = [p for n, p in model.named_parameters() if "lora_" in n and keep(n)]
+    assert params, "no adapter weight matched"
+    optimizer = torch.optim.SGD(params, lr=lr)
+    ids, mask = left_pad(PROMPTS)
+    model.train()
+    (-model(input_ids=ids, attention_mask=mask).logits[:, -1, 77].mean()).backward()
+    optimizer.step()
+    model.eval()
+    return params
+
+
+def prefill_logits(decoder, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The engine's logits [P, V] for one unpadded prompt ids [1, P] through `decoder`'s prefill, and the cache
+    (16 columns) it filled."""
+    from slimrl.rollout.kv_cache import StaticKVCache
+    from slimrl.rollout.model.llama import prefill_attention
+
+    length = ids.shape[1]
+    cache = StaticKVCache(decoder.num_layers, 1, decoder.kv_heads, 16, decoder.head_dim, decoder.dtype, "cpu")
+    cos, sin = decoder.rope_tables(length)
+
+    def attend(layer, q, k, v):
+        return prefill_attention(decoder, cache, layer, slice(0, 1), q, k, v, None, 1, length)
+
+    with torch.no_grad():
+        return decoder.logits(decoder.forward(ids.reshape(-1), cos, sin, attend)), cache
+
+
+def assert_greedy_matches_generate(model, new_tokens: int = 12) -> None:
+    """fp32 greedy from the engine equals transformers' `generate` on the left-padded PROMPTS, with the model's adapter
+    and with it disabled, and the adapter changes the output (so the comparison saw it)."""
+    from slimrl.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(model)
+    with_adapter = engine.generate(PROMPTS, GREEDY, max_new_tokens=new_tokens).completion_ids
+    assert with_adapter == hf_greedy(model, PROMPTS, new_tokens, eos_token_id=None)
+    with model.disable_adapter():
+        base = engine.generate(PROMPTS, GREEDY, max_new_tokens=new_tokens).completion_ids
+        assert base == hf_greedy(model, PROMPTS, new_tokens, eos_token_id=None)
+    assert base != with_adapter, "the adapter should change the greedy output"

@@ -29,12 +29,10 @@ def test_prompts_and_lengths_are_validated():
 def test_request_limits_worked_by_hand():
     params = SamplingParams(max_tokens=7)
     # max_tokens as the default; the third prompt (10 tokens) is capped at 16 - 10 = 6
-    assert planning.request_limits([[1], [1, 2], list(range(10))], params, None, 50, 16, None) == [7, 7, 6]
-    assert planning.request_limits([[1], [1, 2]], params, [3, 20], 50, 16, None) == [3, 14]
+    assert planning.request_limits([[1], [1, 2], list(range(10))], params, None, 50, 16) == [7, 7, 6]
+    assert planning.request_limits([[1], [1, 2]], params, [3, 20], 50, 16) == [3, 14]
     with pytest.raises(ValueError, match="2 entries for 1 prompts"):
-        planning.request_limits([[1]], params, [1, 2], 50, 16, None)
-    with pytest.raises(ValueError, match="sliding window \\(8\\)"):
-        planning.request_limits([[1, 2]], params, 10, 50, 64, 8)
+        planning.request_limits([[1]], params, [1, 2], 50, 16)
 
 
 @pytest.mark.parametrize(("batch", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (64, 64)])

@@ -1,7 +1,8 @@
 """slimrl's built-in rollout engine: batched generation with the training model's own weights, in place.
 
 `RolloutEngine(model).generate(prompts, SamplingParams(...), max_new_tokens)` decodes a batch of token-id prompts
-with the engine's own Llama-family forward (`model/llama.py`) over the live modules, so a LoRA adapter updated by the
+with the engine's own forward (`model/llama.py`: Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral) over the
+live modules, so a LoRA adapter updated by the
 optimizer is used by the next rollout with no merge, copy or re-capture. A rollout: validate the requests and plan
 waves that fit the memory budget (`planning.py`); per wave, take the session of its shape (`session.py`: static KV
 cache and step buffers), capture its decode step as a CUDA graph once (`cuda_graph.py`), prefill, decode and collect
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimrl.rollout import cuda_graph, planning
+from slimrl.rollout.model.lengths import engine_max_seq_len
 from slimrl.rollout.model.llama import Decoder
 from slimrl.rollout.model.views import supports
 from slimrl.rollout.options import EngineOptions
@@ -62,6 +64,9 @@ class RolloutEngine:
         row fits. None: waves of max_batch_size rows whatever memory is free. Not applied off CUDA. slimrl's
         trainers pass FastLanguageModel.from_pretrained's value (default 0.5).
     tokenizer: needed only for stop strings.
+    cap_completions: True (default): a completion that would pass max_seq_len is cut there (finish_reason
+        "length"). False: such a request is an error naming the prompt, its length, the limit and the fix; slimrl's
+        trainers use it, so that no completion is cut shorter than they asked without a word.
     options, **flags: an `EngineOptions`, or its fields as keywords (cuda_graphs, compile, tf32_adapters,
         triton_lora, triton_attention, fused_decode, fused_sampling, deterministic, kernel_choices); unset ones are
         decided by the device.
@@ -69,7 +74,7 @@ class RolloutEngine:
 
     def __init__(self, model, max_batch_size: int = 256, max_seq_len: int | None = None,
                  gpu_memory_utilization: float | None = None, tokenizer=None, options: EngineOptions | None = None,
-                 **flags):  # fmt: skip
+                 cap_completions: bool = True, **flags):  # fmt: skip
         supported, why = supports(model)
         if not supported:
             raise ValueError(f"The rollout engine cannot run this model: {why}. Generate with transformers instead.")
@@ -81,8 +86,8 @@ class RolloutEngine:
         self.decoder = Decoder(model)
         self.device = self.decoder.device
         self.options = dataclasses.replace(options or EngineOptions(), **flags).resolve(self.device, self.decoder.dtype)
-        config = self.decoder.causal_lm.config
-        self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 4096))
+        self.max_seq_len = engine_max_seq_len(self.decoder.causal_lm, max_seq_len)
+        self.cap_completions = cap_completions
         self.max_batch_size = max_batch_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.tokenizer = tokenizer
@@ -108,11 +113,12 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  max_new_tokens: int | list[int] | None = None) -> RolloutOutput:  # fmt: skip
         """Complete each prompt (a list of token ids). max_new_tokens (one int or one per prompt) defaults to
-        `params.max_tokens`; it is capped so prompt + completion fit in max_seq_len."""
+        `params.max_tokens`; it is capped so prompt + completion fit in max_seq_len (with cap_completions=False, a
+        request past it is an error)."""
         prompts = [list(map(int, p)) for p in prompts]
         d = self.decoder
         limits = planning.request_limits(prompts, params, max_new_tokens, d.vocab_size, self.max_seq_len,
-                                         d.sliding_window)  # fmt: skip
+                                         self.cap_completions)  # fmt: skip
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer: pass RolloutEngine(model, tokenizer=...).")

@@ -15,6 +15,8 @@ from slimrl.rollout.kv_cache import kv_bytes_per_token
 from slimrl.rollout.sampling import SamplingParams
 
 PREFILL_TOKENS = 16384  # prompt tokens per prefill block: bounds the prefill's activation memory
+# where a trainer's engine gets its max_seq_len, for the errors that say to raise it
+RAISE_LIMIT = "FastLanguageModel.from_pretrained's max_seq_length"
 SEQ_ROUND = 128  # cache lengths are rounded up to this, so rollouts of similar length reuse one captured graph
 
 
@@ -38,9 +40,11 @@ def cache_length(prompt_length: int, longest_limit: int, max_seq_len: int) -> in
 
 
 def request_limits(prompts: list[list[int]], params: SamplingParams, max_new_tokens, vocab_size: int,
-                   max_seq_len: int, sliding_window: int | None) -> list[int]:  # fmt: skip
+                   max_seq_len: int, cap: bool = True) -> list[int]:  # fmt: skip
     """New tokens each prompt may get (max_new_tokens, one int or one per prompt, default params.max_tokens, capped
-    so prompt + completion fit max_seq_len), or a ValueError naming the bad request."""
+    so prompt + completion fit max_seq_len), or a ValueError naming the bad request. cap=False: a prompt whose
+    completion would be cut by max_seq_len is an error too (a trainer asked for max_new_tokens, and a shorter
+    completion would change its run silently)."""
     if not prompts:
         raise ValueError("generate needs at least one prompt.")
     for i, p in enumerate(prompts):
@@ -50,7 +54,7 @@ def request_limits(prompts: list[list[int]], params: SamplingParams, max_new_tok
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}).")
         if len(p) >= max_seq_len:
             raise ValueError(f"prompt {i} has {len(p)} tokens, leaving no room under max_seq_len={max_seq_len}; "
-                             "truncate prompts or raise max_seq_len.")  # fmt: skip
+                             f"truncate prompts or raise max_seq_len ({RAISE_LIMIT}).")  # fmt: skip
     if max_new_tokens is None:
         max_new_tokens = params.max_tokens
     if max_new_tokens is None:
@@ -61,12 +65,15 @@ def request_limits(prompts: list[list[int]], params: SamplingParams, max_new_tok
         raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts.")
     if any(m < 0 for m in max_new_tokens):
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    longest = max(len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True))
-    if sliding_window is not None and min(longest, max_seq_len) > sliding_window:
-        raise ValueError(
-            f"sequences of up to {longest} tokens exceed the model's sliding window ({sliding_window}), which the "
-            "engine does not implement; generate with transformers or shorten max_new_tokens."
-        )
+    if not cap:
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            if len(p) + m > max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens: with max_new_tokens={m} that is {len(p) + m}, past the "
+                    f"engine's max_seq_len={max_seq_len}, so its completion would be cut short; truncate prompts to "
+                    f"{max_seq_len - m} tokens, lower max_new_tokens (max_completion_length), or raise max_seq_len "
+                    f"({RAISE_LIMIT})."
+                )
     return [min(int(m), max_seq_len - len(p)) for p, m in zip(prompts, max_new_tokens, strict=True)]
 
 

@@ -17,7 +17,7 @@ import torch
 from slimrl.ops.fused import Compiled
 from slimrl.rollout.kv_cache import StepContext
 from slimrl.rollout.model.llama import Decoder, decode_attention, prefill_attention
-from slimrl.rollout.model.reference import EAGER_GROUPED, GroupedOps, prefill_mask
+from slimrl.rollout.model.reference import EAGER_GROUPED, GroupedOps, prefill_mask, window_mask, window_starts
 from slimrl.rollout.options import EngineOptions
 from slimrl.rollout.planning import PREFILL_TOKENS
 from slimrl.rollout.sampling import SamplingParams, choose_tokens, exponential_noise
@@ -84,12 +84,12 @@ class Runner:
         for start in range(0, batch, block):
             rows = slice(start, min(batch, start + block))
             b = rows.stop - rows.start
-            # no padding in this block: causal attention without a mask (flash kernels); else the padded mask
-            mask = None if real_host[rows].all() else prefill_mask(real[rows], decoder.dtype)
+            masks = prefill_masks(decoder.windows, real_host[rows].all(), real[rows], decoder.dtype)
             cos = session.cos.index_select(0, positions[rows].reshape(-1))
             sin = session.sin.index_select(0, positions[rows].reshape(-1))
 
-            def attend(layer, q, k, v, rows=rows, mask=mask, b=b):
+            def attend(layer, q, k, v, rows=rows, masks=masks, b=b):
+                mask = masks[_effective(decoder.windows[layer], length)]
                 return prefill_attention(decoder, session.cache, layer, rows, q, k, v, mask, b, length)
 
             hidden = decoder.forward(padded[rows].reshape(-1), cos, sin, attend, ops, self.options.compile)
@@ -135,6 +135,13 @@ class Runner:
         kernel = self._attention_kernel(session)
         if kernel is None:
             session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
+        # per sliding window: the mask cut to it (SDPA), or each row's first column inside it (the Triton kernel)
+        masks, starts = {None: session.mask}, {None: session.starts}
+        for window in {w for w in decoder.windows if w is not None and w < session.seq_len}:
+            if kernel is None:
+                masks[window] = window_mask(session.mask, session.column, window)
+            else:
+                starts[window] = window_starts(session.starts, session.column, window)
         cos = session.cos.index_select(0, session.positions)
         sin = session.sin.index_select(0, session.positions)
         unfused = []
@@ -142,8 +149,9 @@ class Runner:
         def attend(layer, q, k, v):
             if k is not None:
                 unfused.append(layer)
-            return decode_attention(decoder, session.cache, layer, session.column, q, k, v, session.mask, kernel,
-                                    session.starts)  # fmt: skip
+            window = _effective(decoder.windows[layer], session.seq_len)
+            return decode_attention(decoder, session.cache, layer, session.column, q, k, v, masks.get(window),
+                                    kernel, starts.get(window))  # fmt: skip
 
         ops = self.ops
         if self.fused is not None:
@@ -204,6 +212,21 @@ class Runner:
                     break
             pending = _all_done_flag(session)
         return step
+
+
+def _effective(window: int | None, length: int) -> int | None:
+    """The window a layer's attention needs over `length` columns: None (plain causal) when it covers them all."""
+    return window if window is not None and window < length else None
+
+
+def prefill_masks(windows, unpadded: bool, real: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The prefill's additive masks of a row block, by effective window (None: global): for global layers None when
+    no row is padded (plain causal attention, SDPA's flash kernels), else the padded causal mask."""
+    length = real.shape[1]
+    masks = {None: None if unpadded else prefill_mask(real, dtype)}
+    for window in {_effective(w, length) for w in windows} - {None}:
+        masks[window] = prefill_mask(real, dtype, window)
+    return masks
 
 
 def _all_done_flag(session: Session) -> tuple:

@@ -106,7 +106,8 @@ class PPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedTrainerMixin, T
         self._rollout_engine = None
         self.generation_backend, reason = choose_backend(args.generation_backend, model, use_vllm=False,
                                                          use_continuous_batching=False,
-                                                         fast_inference=fast_inference_of(model))  # fmt: skip
+                                                         fast_inference=fast_inference_of(model),
+                                                         max_completion_length=args.response_length)  # fmt: skip
         logger.info("slimrl PPO: rollouts from %s (%s).", self.generation_backend, reason)
         self._apply_memory_savers()
 

@@ -61,6 +61,9 @@ class EngineRolloutMixin:
             use_continuous_batching=getattr(self.args, "use_transformers_continuous_batching", False),
             generation_kwargs=self.args.generation_kwargs,
             fast_inference=fast_inference,
+            # what the engine will be asked, checked now: TRL 1.16's GRPO, RLOO and online DPO bound no prompt length
+            max_prompt_length=getattr(self.args, "max_prompt_length", None),
+            max_completion_length=getattr(self, "max_completion_length", None),
         )
         if self._generation_backend == "engine" and device is None and sharded_training(self.accelerator):
             problem = self._sharded_engine_problem()

@@ -43,9 +43,17 @@ def local_engine(model, tokenizer, deterministic: bool):
     (None: the model's context) and its gpu_memory_utilization for the waves and KV cache, fast_inference or not."""
     from slimrl.rollout.engine import RolloutEngine
 
-    max_seq_len = getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
-    return RolloutEngine(model, max_seq_len=max_seq_len, gpu_memory_utilization=engine_memory_utilization(model),
-                         tokenizer=tokenizer, deterministic=deterministic)  # fmt: skip
+    # cap_completions=False: a prompt that would leave its completion short of max_completion_length is an error
+    # naming it, not a silently shorter completion (choose_backend checked the lengths the config gives)
+    return RolloutEngine(model, max_seq_len=engine_max_seq_length(model),
+                         gpu_memory_utilization=engine_memory_utilization(model), tokenizer=tokenizer,
+                         cap_completions=False, deterministic=deterministic)  # fmt: skip
+
+
+def engine_max_seq_length(model) -> int | None:
+    """The cache length the trainers' engine gets: FastLanguageModel.from_pretrained's max_seq_length (None: the
+    model's context, `RolloutEngine`'s default)."""
+    return getattr(getattr(model, "slimrl_options", None), "max_seq_length", None)
 
 
 def engine_refusal(demanded_by: str, why: str) -> ValueError:
@@ -67,10 +75,15 @@ def choose_backend(
     use_continuous_batching: bool,
     generation_kwargs: dict | None = None,
     fast_inference: bool = False,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
 ) -> tuple[str, str]:
     """(backend, reason) for this trainer. The engine asked for explicitly ("engine") or by fast_inference=True under
     "auto" is an error when it cannot serve the settings (`engine_refusal`); a config naming another backend
-    (generation_backend, use_vllm, use_transformers_continuous_batching) wins over fast_inference, with a warning."""
+    (generation_backend, use_vllm, use_transformers_continuous_batching) wins over fast_inference, with a warning.
+    What the engine will be asked is checked here, before training (`supports`): the architecture, its sliding
+    windows, and the longest prompt (when the config bounds it) plus max_completion_length against the cache the
+    engine will allocate (`engine_max_seq_length`); under "auto" a refusal falls back to TRL's path with the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"generation_backend must be one of {BACKENDS}, got {requested!r}.")
     named, setting = _named_backend(requested, use_vllm, use_continuous_batching)
@@ -81,7 +94,8 @@ def choose_backend(
         return named, f"{setting} requested"
     from slimrl.rollout.engine import supports
 
-    supported, why = supports(model)
+    supported, why = supports(model, max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                              max_seq_len=engine_max_seq_length(model))  # fmt: skip
     unknown = sorted(set(generation_kwargs or {}) - set(_ENGINE_SAMPLING_KEYS))
     if supported and unknown:
         supported, why = False, f"generation_kwargs {unknown} are transformers-only"
@@ -92,10 +106,10 @@ def choose_backend(
         if not torch.cuda.is_available():
             return "engine", f"{demanded_by} asks for the engine; no CUDA device, so its eager path runs"
         return "engine", f"{demanded_by} asks for the engine"
+    if not supported:  # named first: on the CPU too, the log says what the engine could not serve
+        return "transformers", why
     if not torch.cuda.is_available():
         return "transformers", "no CUDA device: the engine's captured decode step needs one"
-    if not supported:
-        return "transformers", why
     return "engine", "CUDA and a supported architecture"
 
 

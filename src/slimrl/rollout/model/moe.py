@@ -1,0 +1,251 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral for the engine's forward, from the live modules.
+
+transformers 5.x lays a sparse block out as `mlp.gate` (a top-k router holding a [E, hidden] `weight`, not an
+nn.Linear) and `mlp.experts` (3-D parameters `gate_up_proj` [E, 2I, hidden] and `down_proj` [E, hidden, I]). peft
+0.21 puts LoRA on them through `target_parameters` (what "all-linear" and `target_modules=["gate"]` turn into for
+these models): a `ParamWrapper` per parameter, nested when several parameters of one module are targeted, whose
+forward adds the adapter's delta to the parameter for the duration of the call.
+
+The math is transformers' (`*TopKRouter`, and the experts' default "grouped_mm" forward): router logits, softmax in
+fp32, top-k, optionally renormalised; Qwen3-MoE rounds the routing weights to the logits' dtype, Mixtral keeps them
+in fp32. The routed (token, expert) rows are sorted by expert and each expert's projection is one GEMM over its rows
+(`grouped_linear`). peft's LoRA is applied as it folds it: into the router weight (tiny: [E, hidden]); on the experts
+as the low-rank product on the routed rows, x W^T + s (x A_e^T) B_e^T, the same sum as peft's x (W + s B_e A_e)^T
+without materialising every expert's weight each step. Nothing here syncs with the host on CUDA, so a decode step
+with sparse layers can be captured as a graph; the fused decode kernels (Llama's dense SwiGLU) are not used for it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MOE_TYPES = ("qwen3_moe", "mixtral")
+# router class -> does it round the routing weights to the logits' dtype (Qwen3-MoE) or keep them in fp32 (Mixtral)
+ROUTERS = {"Qwen3MoeTopKRouter": True, "MixtralTopKRouter": False}
+EXPERTS = ("Qwen3MoeExperts", "MixtralExperts")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+class ExpertProjection(NamedTuple):
+    weight: torch.Tensor  # [E, out, in]
+    loras: tuple  # ((A [E, r, in], B [E, out, r], scale), ...) in the weight's dtype, as peft folds them
+
+
+class SparseSpec(NamedTuple):
+    """How to apply one sparse block right now (adapters enabled or not, which are active)."""
+
+    router: torch.Tensor  # [E, hidden], the active adapters' delta added as peft adds it
+    top_k: int
+    normalize: bool  # renormalise the top-k probabilities to sum to one
+    round_weights: bool  # routing weights rounded to the logits' dtype (Qwen3-MoE) or kept in fp32 (Mixtral)
+    gate_up: ExpertProjection
+    down: ExpertProjection
+
+
+def is_sparse_block(mlp: nn.Module) -> bool:
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def sparse_problem(mlp: nn.Module) -> str | None:
+    """What in this sparse block the engine cannot run, or None."""
+    router, router_wrappers = _unwrap(mlp.gate)
+    experts, expert_wrappers = _unwrap(mlp.experts)
+    if type(router).__name__ not in ROUTERS or getattr(router, "weight", None) is None or router.weight.dim() != 2:
+        return f"router {type(router).__name__} is not one the engine implements ({', '.join(ROUTERS)})"
+    if type(experts).__name__ not in EXPERTS or not all(getattr(experts, n, None) is not None for n in EXPERT_PARAMS):
+        return f"experts {type(experts).__name__} are not ones the engine implements ({', '.join(EXPERTS)})"
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        return "transposed or biased expert weights (the engine reads [E, out, in] without bias)"
+    dtypes = {getattr(experts, n).dtype for n in EXPERT_PARAMS} | {router.weight.dtype}
+    if not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+        return f"sparse block weights in {sorted(map(str, dtypes))}; the engine reads fp32/bf16/fp16 experts"
+    for wrappers, names in ((router_wrappers, ("weight",)), (expert_wrappers, EXPERT_PARAMS)):
+        if len({w.parameter_name for w in wrappers}) < len(wrappers):
+            return "two LoRA wrappers on one parameter of the sparse block"
+        for module in wrappers:
+            if module.parameter_name not in names:
+                return f"a LoRA on {module.parameter_name!r} of the sparse block, which the engine does not read"
+            if getattr(module, "lora_variant", None) or any(b.bias is not None for b in module.lora_B.values()):
+                return "a LoRA variant or LoRA bias on the sparse block (plain LoRA only)"
+            if names is EXPERT_PARAMS and not module._did_swap_in_out_features:
+                return "expert LoRA factors in a layout other than peft's for [E, out, in] parameters"
+    return None
+
+
+def sparse_spec(mlp: nn.Module) -> SparseSpec:
+    """The live spec of a sparse block `sparse_problem` accepted."""
+    router, router_wrappers = _unwrap(mlp.gate)
+    experts, expert_wrappers = _unwrap(mlp.experts)
+    by_param = {w.parameter_name: w for w in expert_wrappers}
+    projections = [ExpertProjection(getattr(experts, n), _expert_loras(by_param.get(n))) for n in EXPERT_PARAMS]
+    rounds = ROUTERS[type(router).__name__]
+    normalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalises
+    weight = _folded_router(router.weight, router_wrappers[0] if router_wrappers else None)
+    return SparseSpec(weight, int(router.top_k), normalize, rounds, *projections)
+
+
+def sparse_identity(mlp: nn.Module) -> tuple:
+    """Addresses and constants of the tensors a captured graph of this block reads (`Decoder.fingerprint`): the
+    parameters and adapter factors themselves, not the per-step views of them `sparse_spec` builds."""
+    router, router_wrappers = _unwrap(mlp.gate)
+    experts, expert_wrappers = _unwrap(mlp.experts)
+    parts = [type(router).__name__, int(router.top_k), bool(getattr(router, "norm_topk_prob", True))]
+    parts.extend((p.data_ptr(), p.dtype) for p in (router.weight, *(getattr(experts, n) for n in EXPERT_PARAMS)))
+    for wrapper in (*router_wrappers, *expert_wrappers):
+        factors = _active_factors(wrapper)
+        parts.append((wrapper.parameter_name, *((a.data_ptr(), b.data_ptr(), a.dtype, s) for a, b, s in factors)))
+    return tuple(parts)
+
+
+# -- peft's ParamWrapper, read as its forward applies it ------------------------------------------------------------
+
+
+def _unwrap(module: nn.Module) -> tuple[nn.Module, list]:
+    """The module under peft's (possibly nested) ParamWrappers, and the wrappers from the outside in."""
+    wrappers = []
+    while type(module).__name__ == "ParamWrapper" and hasattr(module, "parameter_name"):
+        wrappers.append(module)
+        module = module.base_layer
+    return module, wrappers
+
+
+def _active_factors(wrapper) -> list:
+    """[(A weight, B weight, scale)] of the adapters the wrapper's forward would apply now; a merged adapter is in
+    the parameter already (and one merged but switched off is unmerged, as peft's forward does)."""
+    if wrapper.merged and wrapper.disable_adapters:
+        wrapper.unmerge()
+    if wrapper.merged or wrapper.disable_adapters:
+        return []
+    names = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+    return [(wrapper.lora_A[n].weight, wrapper.lora_B[n].weight, float(wrapper.scaling[n])) for n in names]
+
+
+def _folded_router(weight: torch.Tensor, wrapper) -> torch.Tensor:
+    """W + sum of the adapters' (B @ A) * scale, each rounded to W's dtype: peft's delta for a 2-D parameter
+    (computed in fp32 for half-precision adapters on the CPU, as peft's `get_delta_weight`)."""
+    factors = [] if wrapper is None else _active_factors(wrapper)
+    if not factors:
+        return weight
+    delta = None
+    for lora_a, lora_b, scale in factors:
+        upcast = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
+        a, b = (lora_a.float(), lora_b.float()) if upcast else (lora_a, lora_b)
+        piece = ((b @ a) * scale).to(lora_b.dtype).to(weight.dtype)
+        delta = piece if delta is None else delta + piece
+    return weight + delta
+
+
+def _expert_loras(wrapper) -> tuple:
+    """Per-expert factors of a 3-D parameter's adapters: peft's lora_A [r*E, in] holds expert e's A in rows
+    e*r..(e+1)*r, lora_B [out, r*E] its B in columns e, E+e, 2E+e...; cast to the parameter's dtype as peft does."""
+    if wrapper is None:
+        return ()
+    experts = wrapper.num_experts
+    dtype = wrapper.get_param().dtype
+    loras = []
+    for lora_a, lora_b, scale in _active_factors(wrapper):
+        a = lora_a.reshape(experts, -1, lora_a.shape[-1]).to(dtype)
+        b = lora_b.reshape(lora_b.shape[0], -1, experts).permute(2, 0, 1).to(dtype).contiguous()
+        pad = -a.shape[1] % (16 // a.element_size())  # zero ranks (exact) so the rank rows are 16-byte aligned,
+        if pad:  # as torch's grouped GEMM needs (bf16 at rank 4, say)
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        loras.append((a, b, scale))
+    return tuple(loras)
+
+
+# -- the routed MLP -------------------------------------------------------------------------------------------------
+
+
+class Groups(NamedTuple):
+    """Routed rows sorted by expert: expert e's rows are [ends[e-1], ends[e]); `experts` names each row's."""
+
+    ends: torch.Tensor  # [E] int32, cumulative row counts
+    experts: torch.Tensor  # [S]
+
+
+def route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights [N, k], expert ids [N, k]) of h [N, hidden], as transformers' top-k routers."""
+    logits = F.linear(h, spec.router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.round_weights:
+        weights = weights.to(logits.dtype)
+    return weights, experts
+
+
+def routed_mlp(h: torch.Tensor, spec: SparseSpec) -> torch.Tensor:
+    """The sparse block's output [N, hidden] for its input h [N, hidden]: each token's top-k experts' SwiGLU
+    outputs, weighted by the routing weights and summed over k in their dtype, then rounded to h's dtype."""
+    weights, experts = route(h, spec)
+    count, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    num_experts = spec.router.shape[0]
+    sizes = torch.zeros(num_experts, dtype=torch.int64, device=h.device)
+    sizes.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount's output size would need one)
+    groups = Groups(sizes.cumsum(0).to(torch.int32), sorted_experts)
+    rows = h[order // k]
+    gate, up = expert_projection(rows, spec.gate_up, groups).chunk(2, dim=-1)
+    out = expert_projection(F.silu(gate) * up, spec.down, groups)
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(count, k, -1).sum(dim=1).to(h.dtype)
+
+
+def expert_projection(x: torch.Tensor, projection: ExpertProjection, groups: Groups) -> torch.Tensor:
+    """Each expert's projection (and its LoRA) of its sorted rows x [S, in] -> [S, out]."""
+    y = grouped_linear(x, projection.weight, groups)
+    for lora_a, lora_b, scale in projection.loras:
+        y = y + grouped_linear(grouped_linear(x, lora_a, groups), lora_b, groups) * scale
+    return y
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows of expert e (sorted) times weight[e]^T: x [S, in], weight [E, out, in] -> [S, out], in weight's dtype
+    (transformers casts the input so too). torch's grouped GEMM where it runs; else, on the CPU one GEMM per expert
+    over its rows, and on CUDA (no host sync allowed) every expert over all rows, each row keeping its own."""
+    x = x.to(weight.dtype)
+    if grouped_mm_fits(x, weight):
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=groups.ends)
+    if x.is_cuda:
+        return masked_experts(x, weight, groups)
+    return expert_loop(x, weight, groups)
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped GEMM takes these operands: bf16 on a CUDA GPU of compute capability 8.0+ (any float dtype on
+    the CPU), contiguous, with rows (in and out) and base addresses 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or not (x.is_contiguous() and weight.is_contiguous()):
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
+        return False
+    size = x.element_size()
+    alignments = (x.data_ptr(), weight.data_ptr(), x.shape[-1] * size, weight.shape[1] * size)
+    return all(a % 16 == 0 for a in alignments) and x.shape[0] > 0
+
+
+def expert_loop(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """One GEMM per expert over its rows (reads the group bounds on the host)."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for expert, end in enumerate(groups.ends.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], weight[expert])
+        start = end
+    return out
+
+
+def masked_experts(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Every expert over all rows, each row keeping its own expert's result: static shapes, no host sync."""
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for expert in range(weight.shape[0]):
+        mine = (groups.experts == expert)[:, None]
+        out = torch.where(mine, F.linear(x, weight[expert]), out)
+    return out
