@@ -330,3 +330,20 @@ def test_an_engine_process_that_dies_before_connecting_is_reported_at_once():
     assert time.monotonic() - start < 5
     store.set(ENGINE_UP, "1")  # once the engine has reached the store, a process that ended since is the channel's
     wait_for_engine(store, dead)
+
+
+def test_the_trainers_remote_engine_refuses_instead_of_capping_completions(monkeypatch):
+    # as the in-process engine (trainers/rollouts/generation.local_engine): a prompt whose completion would be cut
+    # short of max_completion_length is an error at its rollout, never a silently shorter completion
+    import slimrl.distributed.remote_engine as remote
+
+    built = {}
+
+    class Recorder:
+        def __init__(self, model, device, max_seq_len=None, **engine_options):
+            built.update(device=device, **engine_options)
+
+    monkeypatch.setattr(remote, "RemoteRolloutEngine", Recorder)
+    trainer = build_trainer("slimrl", reward_funcs=length_reward, generation_device="cpu")
+    assert isinstance(trainer._engine(), Recorder)
+    assert built["device"] == "cpu" and built["cap_completions"] is False

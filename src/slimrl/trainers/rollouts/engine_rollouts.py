@@ -130,8 +130,10 @@ class EngineRolloutMixin:
         if getattr(self.args, "generation_device", None) is not None:
             from slimrl.distributed.remote_engine import RemoteRolloutEngine
 
+            # cap_completions=False as in the in-process engine: a prompt too long for its completion is an error
             self._rollout_engine = RemoteRolloutEngine(model, self.args.generation_device, max_seq_len,
-                                                       deterministic=self.args.deterministic_rollouts)  # fmt: skip
+                                                       deterministic=self.args.deterministic_rollouts,
+                                                       cap_completions=False)  # fmt: skip
             return self._rollout_engine
         from slimrl.trainers.rollouts.generation import local_engine
 
