@@ -95,17 +95,31 @@ def test_user_script_gets_fast_trainer_after_patching():
     assert out.split()[-2:] == ["True", "True"]
 
 
-def test_ppo_names_are_added_to_trl_and_removed_again():
-    # TRL 1.16 ships no PPOTrainer: patching adds the names, unpatch takes them away (no stale attribute left)
-    assert not hasattr(trl, "PPOTrainer") and not hasattr(trl.trainer, "PPOConfig")
-    slimrl.PatchFastRL("ppo")
-    from trl import PPOConfig, PPOTrainer
+@pytest.mark.parametrize("key,name", [("ppo", "PPO"), ("bco", "BCO"), ("prm", "PRM"), ("xpo", "XPO")])
+def test_slimrls_own_trainers_are_added_to_trl_and_removed_again(key, name):
+    # TRL 1.16 ships none of these: patching adds the names, unpatch takes them away (no stale attribute left)
+    trainer, config = f"{name}Trainer", f"{name}Config"
+    assert not hasattr(trl, trainer) and not hasattr(trl.trainer, config)
+    slimrl.PatchFastRL(key)
+    assert getattr(trl, trainer) is getattr(slimrl, trainer) and getattr(trl, config) is getattr(slimrl, config)
+    assert getattr(trl.trainer, trainer) is getattr(slimrl, trainer) and patching.is_patched(key)
+    slimrl.unpatch(key)
+    assert not hasattr(trl, trainer) and not hasattr(trl.trainer, config)
+    assert not patching.is_patched(key)
 
-    assert PPOTrainer is slimrl.PPOTrainer and PPOConfig is slimrl.PPOConfig
-    assert trl.trainer.PPOTrainer is slimrl.PPOTrainer and patching.is_patched("ppo")
-    slimrl.unpatch("ppo")
-    assert not hasattr(trl, "PPOTrainer") and not hasattr(trl.trainer, "PPOConfig")
-    assert not patching.is_patched("ppo")
+
+def test_distillation_rebinds_trls_stable_trainer():
+    import trl.trainer.distillation_trainer
+
+    original = trl.DistillationTrainer
+    slimrl.PatchFastRL("distillation")
+    try:
+        assert trl.DistillationTrainer is slimrl.DistillationTrainer
+        assert trl.trainer.distillation_trainer.DistillationTrainer is slimrl.DistillationTrainer
+        assert issubclass(slimrl.DistillationTrainer, original)
+    finally:
+        slimrl.unpatch("distillation")
+    assert trl.DistillationTrainer is original
 
 
 def test_every_fast_trainer_keeps_trls_model_card_tags_and_adds_slimrl():

@@ -45,6 +45,12 @@ def _experimental_pair(key: str, trainer: str, config: str) -> tuple[_Binding, .
     )
 
 
+def _slimrl_own(key: str, trainer: str, config: str) -> tuple[_Binding, ...]:
+    """A trainer TRL 1.16 does not ship, added to `trl` and `trl.trainer` where TRL's older versions had it."""
+    module = f"slimrl.trainers.{key}.trainer"
+    return (_Binding(trainer, ("trl", "trl.trainer"), module), _Binding(config, ("trl", "trl.trainer"), module))
+
+
 _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "grpo": (
         _Binding("GRPOTrainer", ("trl", "trl.trainer", "trl.trainer.grpo_trainer"), "slimrl.trainers.grpo.trainer"),
@@ -58,11 +64,13 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
     "orpo": _experimental_pair("orpo", "ORPOTrainer", "ORPOConfig"),
     "cpo": _experimental_pair("cpo", "CPOTrainer", "CPOConfig"),
     "online_dpo": _experimental_pair("online_dpo", "OnlineDPOTrainer", "OnlineDPOConfig"),
-    # TRL 1.16 has no PPO: patching adds trl.PPOTrainer / trl.PPOConfig (slimrl's own), unpatch removes them
-    "ppo": (
-        _Binding("PPOTrainer", ("trl", "trl.trainer"), "slimrl.trainers.ppo.trainer"),
-        _Binding("PPOConfig", ("trl", "trl.trainer"), "slimrl.trainers.ppo.trainer"),
-    ),
+    "distillation": _trl_pair("distillation", "DistillationTrainer", "DistillationConfig"),
+    # TRL 1.16 has no PPO, BCO, PRM or XPO: patching adds trl.<X>Trainer / trl.<X>Config (slimrl's own) to `trl` and
+    # `trl.trainer`, unpatch removes them
+    "ppo": _slimrl_own("ppo", "PPOTrainer", "PPOConfig"),
+    "bco": _slimrl_own("bco", "BCOTrainer", "BCOConfig"),
+    "prm": _slimrl_own("prm", "PRMTrainer", "PRMConfig"),
+    "xpo": _slimrl_own("xpo", "XPOTrainer", "XPOConfig"),
 }
 _ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)
 

@@ -14,7 +14,8 @@ import slimrl
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin
 
 TRAINERS = ["GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer",
-            "ORPOTrainer", "CPOTrainer", "RewardTrainer"]  # fmt: skip
+            "ORPOTrainer", "CPOTrainer", "RewardTrainer", "DistillationTrainer", "BCOTrainer", "PRMTrainer",
+            "XPOTrainer"]  # fmt: skip
 DECLARED = ("_plan_micro_batch", "_chunk_loss", "_log_chunk_metrics", "_one_piece_reason")
 TEMPLATE = ("_loss_in_chunks_or_one_piece", "_chunked_loss", "_run_chunks")
 NO_ONE_PIECE_PATH = {"PPOTrainer"}  # slimrl's own loss: no TRL loss to fall back to

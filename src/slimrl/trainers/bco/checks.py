@@ -1,0 +1,82 @@
+"""BCO's input checks: the dataset columns and labels, and the constructor arguments of TRL 0.2x's BCOTrainer that
+slimrl does not support, each refused with the change to make (TRL would fail later with a bare KeyError, or run
+without the feature)."""
+
+from __future__ import annotations
+
+import numbers
+
+from datasets import Dataset, IterableDataset
+
+FORMAT = ("BCO needs an unpaired dataset with 'prompt', 'completion' and a boolean 'label' column (True for a "
+          "thumbs-up completion, False for a thumbs-down one)")  # fmt: skip
+IMAGE_COLUMNS = ("image", "images")
+
+
+def check_datasets(train_dataset, eval_dataset) -> None:
+    """`check_dataset` on the train dataset and on each eval dataset (a dict of them is evaluated split by split)."""
+    if train_dataset is None:
+        raise ValueError(f"BCOTrainer needs a train_dataset. {FORMAT}.")
+    check_dataset(train_dataset, "train_dataset")
+    named = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+    for key, dataset in named:
+        check_dataset(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]")
+
+
+def check_dataset(dataset, name: str) -> None:
+    """The columns and labels BCO reads, checked before TRL's preparation fails on them with a bare error."""
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        return  # None, or a type TRL itself rejects with its own message
+    columns = dataset.column_names
+    if columns is None:  # an IterableDataset of unknown features: its first example says
+        columns = list(next(iter(dataset)).keys())
+    if "chosen" in columns or "rejected" in columns:
+        raise ValueError(
+            f"{name} has paired columns {columns}. {FORMAT}; split each pair into a thumbs-up and a thumbs-down row "
+            f"first: {name} = trl.data_utils.unpair_preference_dataset({name})."
+        )
+    images = [column for column in IMAGE_COLUMNS if column in columns]
+    if images:
+        raise ValueError(f"{name} has image columns {images}: slimrl's BCOTrainer trains text-only models. Drop "
+                         f"them ({name}.remove_columns({images})) or use a text dataset.")  # fmt: skip
+    missing = [column for column in ("prompt", "completion", "label") if column not in columns]
+    if missing:
+        raise ValueError(f"{name} has columns {columns}, without {missing}. {FORMAT}.")
+    check_labels(dataset, name)
+
+
+def check_labels(dataset, name: str) -> None:
+    """Labels must be booleans (0 and 1 read as False and True)."""
+    values = (dataset.unique("label") if len(dataset) else []) if isinstance(dataset, Dataset) else \
+        [next(iter(dataset))["label"]]  # fmt: skip
+    bad = [value for value in values if not (isinstance(value, numbers.Real) and value in (0, 1))]
+    if bad:
+        shown = ", ".join(f"{value!r} ({type(value).__name__})" for value in bad[:3])
+        raise ValueError(
+            f"{name}'s 'label' column holds {shown}; BCO needs a boolean label per row: True for a thumbs-up "
+            "completion, False for a thumbs-down one. Convert it first, e.g. "
+            "dataset = dataset.map(lambda row: {'label': row['label'] == 'good'}) with your thumbs-up value."
+        )
+
+
+def check_unsupported_arguments(model_init, preprocess_logits_for_metrics, model_adapter_name, ref_adapter_name,
+                                embedding_func, embedding_tokenizer) -> None:  # fmt: skip
+    """TRL 0.2x BCOTrainer arguments slimrl does not support: an error naming each and what to do instead."""
+    if embedding_func is not None or embedding_tokenizer is not None:
+        raise NotImplementedError(
+            "BCO's underlying distribution matching (UDM: embedding_func / embedding_tokenizer, with "
+            "prompt_sample_size, min_density_ratio and max_density_ratio) is not supported by slimrl's BCOTrainer: "
+            "it would weight thumbs-down examples by a density-ratio classifier over prompt embeddings. Drop "
+            "embedding_func and embedding_tokenizer to train with plain BCO (every example weighted 1)."
+        )
+    if model_init is not None:
+        raise ValueError("model_init is not supported by slimrl's BCOTrainer; pass the model itself as `model`.")
+    if preprocess_logits_for_metrics is not None:
+        raise ValueError("preprocess_logits_for_metrics is not supported: BCO never builds the [B, T, V] logits. "
+                         "Use the logged metrics (rewards/*, logps/*, logits/*, delta).")  # fmt: skip
+    if model_adapter_name not in (None, "default"):
+        raise ValueError(f"model_adapter_name={model_adapter_name!r}: slimrl trains the active adapter; make it "
+                         "active with model.set_adapter(...) and leave model_adapter_name unset.")  # fmt: skip
+    if ref_adapter_name not in (None, "ref"):
+        raise ValueError(f"ref_adapter_name={ref_adapter_name!r}: the reference adapter must be named 'ref' (TRL "
+                         "1.16's convention), or leave it unset for the policy with its adapter off.")  # fmt: skip

@@ -1,0 +1,1 @@
+"""On-policy distillation."""

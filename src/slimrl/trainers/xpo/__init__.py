@@ -1,0 +1,1 @@
+"""XPO (slimrl's own trainer: online DPO with an exploration term)."""
