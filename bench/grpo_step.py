@@ -47,6 +47,10 @@ Llama through the same code (a CPU smoke run).
 
     python bench/grpo_step.py $OUT/w3_real.json --real [--steps 30] [--trl-steps 30] [--completion-length 256]
 
+The engine prefills each of GRPO's 8 copies of a prompt once (EngineOptions.share_prompt_prefill); --no-shared-prefill
+turns that off for slimrl's sides, so `--prompt-tokens 1024` runs with and without it give its gain (the side's
+"engine" record says which ran).
+
 Per side the summary also gives the median training seconds over the steps after the first, the largest of those
 over that median (stall ratio), and the mean step; the speedups (TRL / slimrl, or GRPO / PPO) are given for the mean
 step, the mean and median training phase, and step by step.
@@ -392,9 +396,27 @@ def build_side(kind: str, steps: int, args, data: dict, side: dict, held: dict, 
         lengths = [prompt_length(tokenizer, p) for p in data["dataset"]["prompt"]]
         side["prompt_tokens_min_max"] = [min(lengths), max(lengths)]
     trainer = held["trainer"] = build_trainer(kind, held["model"], tokenizer, data, args, steps, held["dir"], cuda)
+    if args.no_shared_prefill:
+        without_shared_prefill(trainer)
     side["generation_backend"] = generation_backend(trainer)
     side["trainer"] = f"{type(trainer).__module__}.{type(trainer).__name__}"
     side["build_s"] = round(time.perf_counter() - start, 2)
+
+
+def without_shared_prefill(trainer) -> None:
+    """The rollout engine that slimrl's trainer builds at its first rollout prefills every copy of a prompt itself
+    (EngineOptions.share_prompt_prefill off, read at each rollout); TRL's trainers have no engine."""
+    build = getattr(trainer, "_engine", None)
+    if build is None:
+        return
+
+    def engine():
+        built = build()
+        if hasattr(built, "options"):
+            built.options.share_prompt_prefill = False
+        return built
+
+    trainer._engine = engine
 
 
 def finish_side(side: dict, held: dict, records: list[dict], algorithm: str) -> None:
@@ -583,6 +605,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=None, help="W1: default 256 (128 with --tiny)")
     parser.add_argument("--slimrl-backend", default="auto", choices=("auto", "engine", "transformers"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-shared-prefill", action="store_true",
+                        help="slimrl's engine prefills each copy of a prompt (share_prompt_prefill off)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model from slimrl.testing: a CPU smoke run")
     args = parser.parse_args(argv)
     if args.real and args.prompt_tokens is not None:

@@ -9,9 +9,13 @@ exit status 1); nothing is switched off to pass a check. The kernels' checks at 
 W1-family model, 64-token prompts, 8 new tokens, on the CPU without a GPU (a smoke run; CUDA sections are skipped).
 --variants, each KEY=VALUE[,KEY=VALUE]: pdl (`kernels.common.MODE`; 0 = ordinary launches), a boolean EngineOptions
 field, or GROUP[@ROWS].FIELD (a `KernelChoice` field in every decode row bucket, or in that of ROWS rows).
+--repeat-prompts G: each timed batch holds batch / G distinct prompts, each G times in a row, as TRL repeats GRPO's
+prompts; with `--variants share_prompt_prefill=0` it times the engine without the shared prefill beside it.
+--prompt-tokens: the prompts' length (default 256; 64 with --tiny).
 
     python bench/rollout.py [$OUT/rollout.json] [--batches 8 64 256] [--baseline-tokens 64] [--skip hf cb ...]
                             [--variants pdl=0 deterministic=1 down@64.split_k=1 ...] [--fp32-check] [--tiny]
+                            [--repeat-prompts 8 --prompt-tokens 1024 --variants share_prompt_prefill=0]
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ class Bench:
     engine: RolloutEngine | None = None
 
     def prompts(self, batch: int, seed: int = 0, vary: bool = False) -> list[list[int]]:
-        return common.random_prompts(batch, self.args.prompt_tokens, self.model.config.vocab_size, seed, vary)
+        repeat = 1 if vary else self.args.repeat_prompts  # (the greedy checks keep their distinct prompts)
+        distinct = common.random_prompts(-(-batch // repeat), self.args.prompt_tokens, self.model.config.vocab_size,
+                                         seed, vary)  # fmt: skip
+        return [p for p in distinct for _ in range(repeat)][:batch]
 
     def new_engine(self, **flags) -> RolloutEngine:
         return RolloutEngine(self.model, max_batch_size=max(self.args.batches), **flags)
@@ -264,8 +271,13 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
     parser.add_argument("--variants", nargs="*", default=["pdl=0"], help="engine settings to time (see above)")
     parser.add_argument("--tiny", action="store_true", help="the 2-layer W1-family model: a CPU smoke run")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; 64 with --tiny)")
+    parser.add_argument("--repeat-prompts", type=int, default=1, help="G: each prompt G times in a row, as GRPO's")
     args = parser.parse_args(argv)
-    args.prompt_tokens, args.new_tokens = (64, 8) if args.tiny else (256, 256)
+    if args.repeat_prompts < 1:
+        parser.error("--repeat-prompts must be at least 1")
+    tokens, args.new_tokens = (64, 8) if args.tiny else (256, 256)
+    args.prompt_tokens = args.prompt_tokens or tokens
     return args
 
 
@@ -276,7 +288,8 @@ def main(argv=None) -> Report:
         raise SystemExit("W2 needs a CUDA device (--tiny runs a CPU smoke test).")
     report = Report(args.out, workload="W2", **common.environment(cuda), prompt_tokens=args.prompt_tokens,
                     command=shlex.join(["bench/rollout.py", *(sys.argv[1:] if argv is None else argv)]),
-                    new_tokens=args.new_tokens, sampling="temperature 1.0, top_k 0, top_p 1.0, no EOS", skipped={},
+                    repeat_prompts=args.repeat_prompts, new_tokens=args.new_tokens,
+                    sampling="temperature 1.0, top_k 0, top_p 1.0, no EOS", skipped={},
                     baseline_note=f"hf, cb: {args.baseline_tokens} new tokens per sequence (host overhead dominates "
                     "their step: tok/s changes little with length)")  # fmt: skip
     model = common.w1_model(tiny=args.tiny, device="cuda" if cuda else "cpu", lora_b_std=0.01).eval()

@@ -5,9 +5,9 @@ with the engine's own forward (`model/llama.py`: Llama, Qwen2/3, Mistral, Phi-3,
 live modules, so a LoRA adapter updated by the
 optimizer is used by the next rollout with no merge, copy or re-capture. A rollout: validate the requests and plan
 waves that fit the memory budget (`planning.py`); per wave, take the session of its shape (`session.py`: static KV
-cache and step buffers), capture its decode step as a CUDA graph once (`cuda_graph.py`), prefill, decode and collect
-(`runner.py`), cutting each completion at its stop token or string (`stopping.py`). Which kernels run is decided by
-`EngineOptions` (`options.py`); `describe()` reports it.
+cache and step buffers), capture its decode step as a CUDA graph once (`cuda_graph.py`), prefill (a prompt that
+several rows hold, once), decode and collect (`runner.py`), cutting each completion at its stop token or string
+(`stopping.py`). Which kernels run is decided by `EngineOptions` (`options.py`); `describe()` reports it.
 
 Log-probs: see `SamplingParams.logprobs_mode` (default: of the distribution actually sampled from, vLLM's
 "processed_logprobs" as TRL configures it). What `generate` returns is checked: token ids inside the vocabulary and
@@ -128,7 +128,8 @@ class RolloutEngine:
             self.runner.generator.manual_seed(seed)
             order.sort(key=lambda i: -len(prompts[i]))  # similar lengths pad less
         results: list = [None] * len(prompts)
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0}
+        # prefill_rows: rows the prefill's forward ran (each wave's distinct prompts with share_prompt_prefill)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0, "prefill_rows": 0}
         tf32_before = torch.backends.cuda.matmul.allow_tf32
         try:
             torch.backends.cuda.matmul.allow_tf32 = tf32_before or self.options.tf32_adapters
@@ -182,7 +183,8 @@ class RolloutEngine:
         session.start(prompts, limits, length, self.pad_token_id)
         if session.fused_sampling:  # this wave's Philox key, from the engine's seeded generator (no host sync)
             session.seed.copy_(torch.randint(0, 2**31, (1,), generator=runner.generator, device=self.device))
-        logits = runner.prefill(session, prompts, length)
+        logits = runner.prefill(session, prompts, length)  # a prompt several rows hold runs once (options)
+        stats["prefill_rows"] += runner.prefilled_rows
         runner.fill_noise(session)
         runner.finish_step(session, logits)
         del logits

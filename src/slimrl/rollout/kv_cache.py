@@ -49,6 +49,13 @@ class StaticKVCache:
         self.keys[layer][rows, :, :length].copy_(keys)
         self.values[layer][rows, :, :length].copy_(values)
 
+    def write_prompt_rows(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`write_prompt` into the rows listed by `rows` (int64 [b] on the cache's device, one per K/V row), so one
+        prefilled prompt can be written into every row that holds it."""
+        length = keys.shape[2]
+        self.keys[layer][:, :, :length].index_copy_(0, rows, keys)
+        self.values[layer][:, :, :length].index_copy_(0, rows, values)
+
     def write_column(self, layer: int, column: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one decode step's K/V `[batch, kv_heads, head_dim]` at `column` (a 1-element int64 tensor)."""
         self.keys[layer].index_copy_(2, column, keys.unsqueeze(2))

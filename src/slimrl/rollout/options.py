@@ -41,6 +41,13 @@ class EngineOptions:
         atomics, whose order varies from run to run and with it the last bits of the logits, and so, now and then,
         a sampled token. slimrl's trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in
         docs/benchmarks.md.
+    share_prompt_prefill: prompts held by several rows of a wave (GRPO's G completions of one prompt, which TRL
+        repeats G times) are prefilled once each: the prefill's forward runs over the distinct prompts only and
+        each prompt's K/V are then copied into the cache rows of all its copies (the cache still holds one copy per
+        row: it saves prefill compute, not cache memory). No random draw depends on it, so the completions are
+        those without it; only the last bits of the prompt's K/V may differ, as a GEMM over fewer rows can round
+        differently (as a prompt's output already varies in those bits with the prompts sharing its wave). Default
+        on.
     kernel_choices: the fused kernels' launch settings, {group: {row bucket: fused_ops.KernelChoice}}; None loads
         `rollout/tuned/<GPU name>.json` (written by bench/tune_decode.py).
     """
@@ -53,6 +60,7 @@ class EngineOptions:
     fused_decode: bool | None = None
     fused_sampling: bool | None = None
     deterministic: bool = False
+    share_prompt_prefill: bool = True
     kernel_choices: dict | None = None
     choices_file: str | None = dataclasses.field(default=None, repr=False)  # where kernel_choices came from
 

@@ -46,6 +46,7 @@ class Runner:
             ops = ops._replace(add_lora=GroupedLoRA(tf32=options.tf32_adapters, ordered=options.deterministic))
         self.ops = ops
         self.attention = self.sampler = self.fused = None
+        self.prefilled_rows = 0  # rows the latest prefill's forward ran (distinct prompts when shared)
         if options.triton_attention:
             from slimrl.rollout.kernels import attention
 
@@ -67,12 +68,26 @@ class Runner:
     # -- prefill -------------------------------------------------------------------------------------------------
 
     def prefill(self, session: Session, prompts, length: int) -> torch.Tensor:
-        """Run the prompts through the model in row blocks; return the last position's logits [batch, V]."""
-        decoder, device, batch = self.decoder, self.device, session.batch
+        """Run the prompts through the model in row blocks; return the last position's logits [batch, V]. Rows past
+        len(prompts) (a bucket's idle rows) get the one-token prompt [pad]. With `share_prompt_prefill`, a prompt
+        that several rows hold (GRPO's G copies) runs once: its K/V go into each of those rows (`SharedRows`) and
+        its logits are repeated; no random draw happens here, so every row samples as it would without it."""
+        rows = [prompts[r] if r < len(prompts) else [self.pad_token_id] for r in range(session.batch)]
+        block = max(1, PREFILL_TOKENS // length)
+        distinct, members = group_rows(rows) if self.options.share_prompt_prefill else (rows, None)
+        self.prefilled_rows = len(distinct)
+        if members is None or len(distinct) == len(rows):
+            return self._prefill_rows(session, rows, length, block, session.cache)
+        shared = SharedRows(session.cache, members, block, self.device)
+        return self._prefill_rows(session, distinct, length, block, shared).index_select(0, shared.source)
+
+    def _prefill_rows(self, session: Session, prompts, length: int, block: int, cache) -> torch.Tensor:
+        """The prefill's forward over `prompts` (left-padded to `length`) in blocks of `block` rows, each block's
+        K/V handed to `cache.write_prompt`; the last position's logits [len(prompts), V]."""
+        decoder, device, batch = self.decoder, self.device, len(prompts)
         padded = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
         real_host = torch.zeros((batch, length), dtype=torch.bool)
-        for r in range(batch):
-            tokens = prompts[r] if r < len(prompts) else [self.pad_token_id]
+        for r, tokens in enumerate(prompts):
             padded[r, length - len(tokens) :] = torch.tensor(tokens)
             real_host[r, length - len(tokens) :] = True
         padded, real = padded.to(device), real_host.to(device)
@@ -80,7 +95,6 @@ class Runner:
         logits = torch.empty(batch, decoder.vocab_size, dtype=decoder.dtype, device=device)
         ops = self.ops if self.fused is None else self.ops._replace(fused=self.fused.bind(None))  # no step context:
         # q/k/v stay unfused in a prefill; SwiGLU takes the LoRA update in its epilogue
-        block = max(1, PREFILL_TOKENS // length)
         for start in range(0, batch, block):
             rows = slice(start, min(batch, start + block))
             b = rows.stop - rows.start
@@ -90,7 +104,7 @@ class Runner:
 
             def attend(layer, q, k, v, rows=rows, masks=masks, b=b):
                 mask = masks[_effective(decoder.windows[layer], length)]
-                return prefill_attention(decoder, session.cache, layer, rows, q, k, v, mask, b, length)
+                return prefill_attention(decoder, cache, layer, rows, q, k, v, mask, b, length)
 
             hidden = decoder.forward(padded[rows].reshape(-1), cos, sin, attend, ops, self.options.compile)
             logits[rows] = decoder.logits(hidden.view(b, length, -1)[:, -1])
@@ -227,6 +241,54 @@ def prefill_masks(windows, unpadded: bool, real: torch.Tensor, dtype: torch.dtyp
     for window in {_effective(w, length) for w in windows} - {None}:
         masks[window] = prefill_mask(real, dtype, window)
     return masks
+
+
+def group_rows(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """The distinct prompts in the order they first appear, and for each the rows that hold it."""
+    first: dict[tuple[int, ...], int] = {}
+    members: list[list[int]] = []
+    for row, prompt in enumerate(prompts):
+        group = first.setdefault(tuple(prompt), len(members))
+        if group == len(members):
+            members.append([])
+        members[group].append(row)
+    return [prompts[rows[0]] for rows in members], members
+
+
+class SharedRows:
+    """The cache as a prefill of distinct prompts sees it: the K/V of distinct prompt j go into every cache row of
+    `members[j]`. `source` (int64 [batch], on the device) is each row's distinct prompt.
+
+    A block's writes are rounds of `StaticKVCache.write_prompt_rows`: round g writes each prompt's K/V into its g-th
+    row, so no copy of the block's K/V is made when every prompt has at least g + 1 rows (GRPO's groups of G). The
+    row indices are made on the host and copied to the device at once, before the prefill's first launch."""
+
+    def __init__(self, cache, members: list[list[int]], block: int, device: torch.device):
+        self.cache = cache
+        source = [0] * sum(map(len, members))
+        for j, rows in enumerate(members):
+            for row in rows:
+                source[row] = j
+        indices = [source]  # every index list, copied to the device together
+        plan = {}  # block start -> per round (position in `indices` of the picked prompts or None, of the rows)
+        for start in range(0, len(members), block):
+            groups, plan[start] = members[start : start + block], []
+            for g in range(max(map(len, groups))):
+                picked = [j for j, rows in enumerate(groups) if len(rows) > g]
+                indices.append([groups[j][g] for j in picked])
+                plan[start].append((None if len(picked) == len(groups) else len(indices), len(indices) - 1))
+                if len(picked) < len(groups):
+                    indices.append(picked)
+        flat = torch.tensor([i for part in indices for i in part]).to(device)
+        on_device = flat.split([len(part) for part in indices])
+        self.source = on_device[0]
+        self.rounds = {start: [(None if p is None else on_device[p], on_device[r]) for p, r in rounds]
+                       for start, rounds in plan.items()}  # fmt: skip
+
+    def write_prompt(self, layer: int, rows: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for picked, targets in self.rounds[rows.start]:
+            k, v = (keys, values) if picked is None else (keys.index_select(0, picked), values.index_select(0, picked))
+            self.cache.write_prompt_rows(layer, targets, k, v)
 
 
 def _all_done_flag(session: Session) -> tuple:
