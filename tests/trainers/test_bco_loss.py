@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slimrl.trainers.bco import loss as bco_loss
+from slimrl.trainers.common import unpaired
 from tests.tolerances import assert_close
 
 
@@ -90,9 +91,9 @@ def test_chunk_stats_and_metrics_by_hand():
     mask = torch.tensor([[0, 1, 1], [0, 0, 1]])
     mean_logits = torch.tensor([[9.0, 1.0, 3.0], [9.0, 9.0, 6.0]])  # the 9s are prompt positions: left out
     entropy = torch.tensor([[9.0, 2.0, 4.0], [9.0, 9.0, 1.0]])
-    stats = bco_loss.chunk_stats(torch.tensor([-3.0, -5.0]), torch.tensor([0.4, -0.2]), torch.tensor([True, False]),
+    stats = unpaired.chunk_stats(torch.tensor([-3.0, -5.0]), torch.tensor([0.4, -0.2]), torch.tensor([True, False]),
                                  entropy, mean_logits, mask)  # fmt: skip
-    sums = dict(zip(bco_loss.STAT_NAMES, stats.tolist(), strict=True))
+    sums = dict(zip(unpaired.STAT_NAMES, stats.tolist(), strict=True))
     sums.update(num_chosen=1.0, num_rejected=1.0, attention_tokens=6.0)
     metrics = defaultdict(list)
     bco_loss.append_metrics(metrics, 0.25, sums, total_train_tokens=6)
@@ -105,7 +106,7 @@ def test_chunk_stats_and_metrics_by_hand():
 
 
 def test_metrics_of_a_batch_with_one_label_leave_the_other_out():
-    sums = dict.fromkeys(bco_loss.STAT_NAMES + bco_loss.COUNT_NAMES, 0.0)
+    sums = dict.fromkeys(unpaired.STAT_NAMES + unpaired.COUNT_NAMES, 0.0)
     sums.update(num_chosen=2.0, chosen_rewards_sum=1.0, chosen_logps_sum=-4.0, chosen_tokens=3.0, entropy_tokens=3.0)
     metrics = defaultdict(list)
     bco_loss.append_metrics(metrics, 0.0, sums, total_train_tokens=0)

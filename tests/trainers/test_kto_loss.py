@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from slimrl.trainers.common import unpaired
 from slimrl.trainers.common.chunked_step import plan_by_length
 from slimrl.trainers.kto import loss as kto_loss
 from slimrl.trainers.kto.trainer import rows_of, sequence_lengths
@@ -81,7 +82,7 @@ def test_chunk_sums_of_the_weighted_loss_are_the_mean_over_the_micro_batch():
 def test_chunk_stats_by_hand():
     """Three rows over three shifted positions; row 2 is desirable with a NaN reward, which the sums skip (TRL's
     nansum)."""
-    stats = kto_loss.chunk_stats(
+    stats = unpaired.chunk_stats(
         logps=torch.tensor([-3.0, -5.0, -7.0]),
         rewards=torch.tensor([0.2, -0.4, math.nan]),
         desirable=torch.tensor([True, False, True]),
@@ -101,11 +102,11 @@ def test_chunk_stats_by_hand():
         "rejected_rewards_sum": -0.4,
         "rejected_logps_sum": -5.0,
     }
-    assert dict(zip(kto_loss.STAT_NAMES, stats.tolist(), strict=True)) == pytest.approx(expected)
+    assert dict(zip(unpaired.STAT_NAMES, stats.tolist(), strict=True)) == pytest.approx(expected)
 
 
 def sums(**values) -> dict[str, float]:
-    return {name: 0.0 for name in kto_loss.STAT_NAMES + kto_loss.COUNT_NAMES} | values
+    return {name: 0.0 for name in unpaired.STAT_NAMES + unpaired.COUNT_NAMES} | values
 
 
 def test_metrics_by_hand_in_trls_order():

@@ -22,21 +22,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-# The sums a chunk contributes to the metrics, in this order (`chunk_stats`); the trainer appends the counts.
-STAT_NAMES = (
-    "entropy_sum",  # entropy over completion tokens
-    "entropy_tokens",
-    "chosen_logits_sum",  # mean-over-vocabulary logit, summed over desirable rows' completion tokens
-    "chosen_tokens",
-    "rejected_logits_sum",
-    "rejected_tokens",
-    "chosen_rewards_sum",  # beta * log-ratio, NaN-skipping sum over desirable rows
-    "chosen_logps_sum",
-    "rejected_rewards_sum",
-    "rejected_logps_sum",
-)
-COUNT_NAMES = ("num_chosen", "num_rejected", "attention_tokens")
-
 
 def bco_losses(rewards: torch.Tensor, desirable: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """[b] each row's loss: -log sigmoid(r - delta) for a desirable row, -log sigmoid(-(r - delta)) otherwise.
@@ -80,33 +65,6 @@ class RunningMoments:
 
     def state_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-def chunk_stats(
-    logps: torch.Tensor,  # [b] completion log-probs
-    rewards: torch.Tensor,  # [b] beta * log-ratio
-    desirable: torch.Tensor,  # [b] bool
-    entropy: torch.Tensor,  # [b, t]
-    mean_logits: torch.Tensor,  # [b, t]
-    token_mask: torch.Tensor,  # [b, t] completion tokens (shifted)
-) -> torch.Tensor:  # [len(STAT_NAMES)] fp32, detached
-    """The chunk's share of every metric sum, in STAT_NAMES order."""
-    logps, rewards = logps.detach().float(), rewards.detach().float()
-    entropy, mean_logits, mask = entropy.detach().float(), mean_logits.detach().float(), token_mask.bool()
-    chosen_tokens, rejected_tokens = mask & desirable[:, None], mask & ~desirable[:, None]
-    zero = torch.zeros((), dtype=torch.float32, device=logps.device)
-    return torch.stack([
-        torch.where(mask, entropy, zero).sum(),
-        mask.sum().float(),
-        torch.where(chosen_tokens, mean_logits, zero).sum(),
-        chosen_tokens.sum().float(),
-        torch.where(rejected_tokens, mean_logits, zero).sum(),
-        rejected_tokens.sum().float(),
-        torch.where(desirable, rewards, zero).nansum(),
-        torch.where(desirable, logps, zero).nansum(),
-        torch.where(desirable, zero, rewards).nansum(),
-        torch.where(desirable, zero, logps).nansum(),
-    ])  # fmt: skip
 
 
 def append_metrics(metrics: dict[str, list], delta: float, sums: dict[str, float], total_train_tokens: int) -> None:

@@ -21,7 +21,6 @@ False, so TRL builds none and any sampling order works), its reference point is 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import textwrap
@@ -29,18 +28,16 @@ from dataclasses import dataclass
 
 import torch
 import trl
-from accelerate.utils import is_peft_model
-from trl.trainer.utils import use_adapter
 
-from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.bco import data
 from slimrl.trainers.bco.checks import check_datasets, check_unsupported_arguments
 from slimrl.trainers.bco.config import BCOConfig
-from slimrl.trainers.bco.loss import COUNT_NAMES, STAT_NAMES, RunningMoments, append_metrics, bco_losses, chunk_stats
+from slimrl.trainers.bco.loss import RunningMoments, append_metrics, bco_losses
 from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import with_slim_fields
+from slimrl.trainers.common.unpaired import COUNT_NAMES, STAT_NAMES, chunk_stats, reference_forward
 
 __all__ = ["BCOConfig", "BCOTrainer"]
 
@@ -143,7 +140,7 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
         if self.precompute_ref_logps:
             ref_logps = batch["ref_logps"].to(device)
         else:
-            with self._reference_model() as reference:
+            with reference_forward(self) as reference:
                 ref_logps = self._sequence_logps(reference, batch, chunks)
         delta = None
         if mode != "train":  # evaluation reads the shift without moving it (TRL 0.2x's do_train=False)
@@ -204,17 +201,6 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
                 logps = chunk_logps.new_zeros(batch["input_ids"].size(0))
             logps.index_copy_(0, chunk.rows.to(logps.device), chunk_logps)
         return logps
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """TRL's reference: the separate model, else the policy with the "ref" adapter (or none) active; no grad."""
-        with torch.no_grad(), gradient_free_forward(self.model, self.args.gradient_checkpointing_kwargs):
-            if self.ref_model is None and is_peft_model(self.model):
-                unwrapped = self.accelerator.unwrap_model(self.model)
-                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                    yield self.model
-            else:
-                yield self.ref_model
 
     def _log_chunk_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
         """BCO's metrics of the micro-batch: every sum gathered across processes in one call."""

@@ -8,8 +8,9 @@ where w_i is `desirable_weight` or `undesirable_weight` by the row's label and `
 detached number per micro-batch, estimated from mismatched ("KL") completions. With N and kl fixed before the first
 chunk, the micro-batch's loss is the sum over its chunks of `sum_i w_i * l_i / N`: TRL's, up to summation order.
 
-The metrics are sums a chunk contributes to (`chunk_stats`), gathered once per micro-batch and divided as TRL divides
-them (`append_metrics`). Shapes: b rows in the chunk, t shifted token positions.
+The metrics are sums a chunk contributes to (`common/unpaired.chunk_stats`, shared with BCO), gathered once per
+micro-batch and divided as TRL divides them (`append_metrics`). Shapes: b rows in the chunk, t shifted token
+positions.
 """
 
 from __future__ import annotations
@@ -19,22 +20,6 @@ import torch.nn.functional as F
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 KL_FREE_LOSSES = ("apo_zero_unpaired",)  # TRL estimates no KL term (and builds no KL completions) for these
-
-# The sums a chunk contributes to the metrics, in this order (`chunk_stats`); the trainer appends the counts.
-STAT_NAMES = (
-    "entropy_sum",  # entropy over completion tokens
-    "entropy_tokens",
-    "chosen_logits_sum",  # mean-over-vocabulary logit, summed over desirable rows' completion tokens
-    "chosen_tokens",
-    "rejected_logits_sum",
-    "rejected_tokens",
-    "chosen_rewards_sum",  # beta * log-ratio, NaN-skipping sum over desirable rows
-    "chosen_logps_sum",
-    "rejected_rewards_sum",
-    "rejected_logps_sum",
-)
-COUNT_NAMES = ("num_chosen", "num_rejected", "attention_tokens")
-
 
 def check_loss_type(loss_type: str) -> None:
     if loss_type not in LOSS_TYPES:
@@ -73,35 +58,6 @@ def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor
     over processes (`gather`), never below 0; detached (the paper treats it as a constant)."""
     kl = (policy_kl_logps - ref_kl_logps).mean().detach()
     return gather(kl).mean().clamp(min=0)
-
-
-def chunk_stats(
-    logps: torch.Tensor,  # [b] completion log-probs
-    rewards: torch.Tensor,  # [b] beta * log-ratio
-    desirable: torch.Tensor,  # [b] bool
-    entropy: torch.Tensor,  # [b, t]
-    mean_logits: torch.Tensor,  # [b, t]
-    token_mask: torch.Tensor,  # [b, t] completion tokens (shifted)
-) -> torch.Tensor:  # [len(STAT_NAMES)] fp32, detached
-    """The chunk's share of every metric sum, in STAT_NAMES order."""
-    logps, rewards = logps.detach().float(), rewards.detach().float()
-    entropy, mean_logits = entropy.detach().float(), mean_logits.detach().float()
-    mask = token_mask.bool()
-    chosen_tokens = mask & desirable[:, None]
-    rejected_tokens = mask & ~desirable[:, None]
-    zero = torch.zeros((), dtype=torch.float32, device=logps.device)
-    return torch.stack([
-        (entropy * token_mask).sum(),
-        token_mask.sum().float(),
-        torch.where(chosen_tokens, mean_logits, zero).sum(),
-        chosen_tokens.sum().float(),
-        torch.where(rejected_tokens, mean_logits, zero).sum(),
-        rejected_tokens.sum().float(),
-        torch.where(desirable, rewards, zero).nansum(),
-        torch.where(desirable, logps, zero).nansum(),
-        torch.where(desirable, zero, rewards).nansum(),
-        torch.where(desirable, zero, logps).nansum(),
-    ])  # fmt: skip
 
 
 def append_metrics(metrics: dict[str, list], kl: float, sums: dict[str, float], total_train_tokens: int) -> None:

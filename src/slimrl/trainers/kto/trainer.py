@@ -16,28 +16,22 @@ custom collator) run through TRL's one-piece loss, with one warning per reason. 
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import warnings
 from dataclasses import dataclass
 
 import torch
 import trl
-from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset
-from trl.trainer.utils import use_adapter
 
-from slimrl.models.checkpointing import gradient_free_forward
 from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
+from slimrl.trainers.common.unpaired import COUNT_NAMES, STAT_NAMES, chunk_stats, reference_forward
 from slimrl.trainers.kto.loss import (
-    COUNT_NAMES,
-    STAT_NAMES,
     append_metrics,
     check_loss_type,
-    chunk_stats,
     kl_reference_point,
     label_weights,
     unpaired_losses,
@@ -123,7 +117,7 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
         if self.precompute_ref_logps:
             ref_logps, ref_kl_logps = batch["ref_logps"], batch.get("ref_KL_logps")
         else:
-            with self._reference_model() as reference:
+            with reference_forward(self) as reference:
                 ref_logps = self._sequence_logps(reference, batch, "", chunks)
                 ref_kl_logps = self._sequence_logps(reference, batch, "KL_", kl_chunks) if self.calculate_KL else None
         kl = torch.zeros(1, device=device)
@@ -171,17 +165,6 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
                 logps = chunk_logps.new_zeros(batch[f"{prefix}input_ids"].size(0))
             logps.index_copy_(0, chunk.rows.to(logps.device), chunk_logps)
         return logps
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """TRL's reference: the separate model, else the policy with the "ref" adapter (or none) active; no grad."""
-        with torch.no_grad(), gradient_free_forward(self.model, self.args.gradient_checkpointing_kwargs):
-            if self.ref_model is None and is_peft_model(self.model):
-                unwrapped = self.accelerator.unwrap_model(self.model)
-                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                    yield self.model
-            else:
-                yield self.ref_model
 
     def _log_chunk_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
         """TRL's metrics of the micro-batch: every sum gathered across processes in one call (a [1, K] tensor, so
