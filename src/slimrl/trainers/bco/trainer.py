@@ -37,7 +37,7 @@ from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import with_slim_fields
-from slimrl.trainers.common.unpaired import COUNT_NAMES, STAT_NAMES, chunk_stats, reference_forward
+from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, reference_forward
 
 __all__ = ["BCOConfig", "BCOTrainer"]
 
@@ -205,12 +205,7 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     def _log_chunk_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
         """BCO's metrics of the micro-batch: every sum gathered across processes in one call."""
         delta = plan.delta if plan.delta is not None else totals["delta"]
-        counts = torch.stack([plan.desirable.sum(), (~plan.desirable).sum(), batch["attention_mask"].sum()])
-        local = torch.cat([totals[STATS], counts.to(totals[STATS])])
-        sums = dict(zip(STAT_NAMES + COUNT_NAMES, self.accelerator.gather_for_metrics(local[None]).sum(0).tolist(),
-                        strict=True))  # fmt: skip
-        if mode == "train":
-            self._total_train_tokens += int(sums["attention_tokens"]) // self._tp_size
+        sums = gathered_sums(self, mode, totals[STATS], plan.desirable, batch["attention_mask"])
         append_metrics(self._metrics[mode], float(delta), sums, self._total_train_tokens)
 
     # -- the precompute pass ---------------------------------------------------------------------------------------

@@ -67,3 +67,16 @@ def reference_forward(trainer):
                 yield trainer.model
         else:
             yield trainer.ref_model
+
+
+def gathered_sums(trainer, mode: str, stats: torch.Tensor, desirable: torch.Tensor, attention_mask) -> dict:
+    """The micro-batch's STAT_NAMES sums (`stats`, summed over its chunks) and COUNT_NAMES counts, summed over the
+    processes in one call (a [1, K] tensor, so gather_for_metrics drops the same duplicated processes as it does for
+    TRL's scalars); in training, the attended tokens are added to the trainer's `num_tokens` count."""
+    counts = torch.stack([desirable.sum(), (~desirable).sum(), attention_mask.sum()])
+    local = torch.cat([stats, counts.to(stats)])
+    sums = dict(zip(STAT_NAMES + COUNT_NAMES, trainer.accelerator.gather_for_metrics(local[None]).sum(0).tolist(),
+                    strict=True))  # fmt: skip
+    if mode == "train":
+        trainer._total_train_tokens += int(sums["attention_tokens"]) // trainer._tp_size
+    return sums

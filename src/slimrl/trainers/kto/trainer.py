@@ -28,7 +28,7 @@ from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
-from slimrl.trainers.common.unpaired import COUNT_NAMES, STAT_NAMES, chunk_stats, reference_forward
+from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, reference_forward
 from slimrl.trainers.kto.loss import (
     append_metrics,
     check_loss_type,
@@ -167,14 +167,8 @@ class KTOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
         return logps
 
     def _log_chunk_metrics(self, mode: str, batch, plan: _MicroBatch, totals: ChunkStats) -> None:
-        """TRL's metrics of the micro-batch: every sum gathered across processes in one call (a [1, K] tensor, so
-        gather_for_metrics drops the same duplicated processes as it does for TRL's scalars)."""
-        counts = torch.stack([plan.desirable.sum(), (~plan.desirable).sum(), batch["attention_mask"].sum()])
-        local = torch.cat([totals[STATS], counts.to(totals[STATS])])
-        sums = dict(zip(STAT_NAMES + COUNT_NAMES, self.accelerator.gather_for_metrics(local[None]).sum(0).tolist(),
-                        strict=True))  # fmt: skip
-        if mode == "train":
-            self._total_train_tokens += int(sums["attention_tokens"]) // self._tp_size
+        """TRL's metrics of the micro-batch, every sum gathered across processes in one call."""
+        sums = gathered_sums(self, mode, totals[STATS], plan.desirable, batch["attention_mask"])
         append_metrics(self._metrics[mode], plan.kl.item(), sums, self._total_train_tokens)
 
     # -- the precompute pass ---------------------------------------------------------------------------------------
