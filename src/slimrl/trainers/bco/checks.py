@@ -8,6 +8,8 @@ import numbers
 
 from datasets import Dataset, IterableDataset
 
+from slimrl.trainers.common.preference_inputs import dataset_columns
+
 FORMAT = ("BCO needs an unpaired dataset with 'prompt', 'completion' and a boolean 'label' column (True for a "
           "thumbs-up completion, False for a thumbs-down one)")  # fmt: skip
 IMAGE_COLUMNS = ("image", "images")
@@ -27,9 +29,7 @@ def check_dataset(dataset, name: str) -> None:
     """The columns and labels BCO reads, checked before TRL's preparation fails on them with a bare error."""
     if not isinstance(dataset, (Dataset, IterableDataset)):
         return  # None, or a type TRL itself rejects with its own message
-    columns = dataset.column_names
-    if columns is None:  # an IterableDataset of unknown features: its first example says
-        columns = list(next(iter(dataset)).keys())
+    columns = dataset_columns(dataset)  # from the schema, or an IterableDataset's first example
     if "chosen" in columns or "rejected" in columns:
         raise ValueError(
             f"{name} has paired columns {columns}. {FORMAT}; split each pair into a thumbs-up and a thumbs-down row "

@@ -27,6 +27,7 @@ from datasets import Dataset, IterableDataset
 from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
+from slimrl.trainers.common.preference_inputs import dataset_columns
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
 from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, reference_forward
 from slimrl.trainers.kto.loss import (
@@ -231,9 +232,7 @@ def check_dataset(dataset, name: str) -> None:
     """The columns and labels TRL's dataset preparation reads, checked before it fails on them with a bare error."""
     if not isinstance(dataset, (Dataset, IterableDataset)):
         return  # None, or a type TRL itself rejects with its own message
-    columns = dataset.column_names
-    if columns is None:  # an IterableDataset of unknown features: its first example says
-        columns = list(next(iter(dataset)).keys())
+    columns = dataset_columns(dataset)  # from the schema, or an IterableDataset's first example
     paired = [column for column in ("chosen", "rejected") if column in columns]
     if len(paired) == 2:
         return
