@@ -18,6 +18,7 @@ fi
 mkdir -p "$OUT"
 status=0
 for tree in "$@"; do
+  tree=$(cd "$tree" && pwd)  # absolute: each benchmark runs from inside the tree
   name=$(basename "$tree")
   dir="$OUT/$name"
   mkdir -p "$dir"
