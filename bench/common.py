@@ -152,7 +152,6 @@ def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0
     reseed_adapter=False draws lora_A where the weights' initialisation left the generator (W1's recorded runs in
     docs/bench/w1_*.json were made that way)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
 
     dtype = dtype or torch.bfloat16
@@ -163,8 +162,17 @@ def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0
     model.generation_config.pad_token_id = 1
     if lora_rank is None:
         return model
-    rank = min(lora_rank, 8) if tiny else lora_rank
-    if reseed_adapter:
+    return with_lora(model, min(lora_rank, 8) if tiny else lora_rank, seed, lora_b_std, reseed_adapter)
+
+
+def with_lora(model, rank: int, seed: int = 0, lora_b_std: float | None = None, reseed: bool = True):
+    """`model` with peft LoRA of `rank` on all linear layers (alpha = rank, dropout 0; lora_A drawn after reseeding
+    with `seed` unless reseed is False); lora_b_std: B drawn from N(0, std^2) so the adapter changes the outputs (peft
+    starts B at zero). Its weights are made where torch makes new tensors (a `torch.device` context puts them there)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    if reseed:
         torch.manual_seed(seed)
     lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
@@ -174,6 +182,20 @@ def w1_model(tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0
                 if "lora_B" in name:
                     p.normal_(0.0, lora_b_std)
     return model
+
+
+MODELS = ("w1", "gemma3-1b", "qwen3-moe")
+
+
+def model_for(name: str, tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0, context: int = 32768,
+              lora_rank: int | None = W1_LORA_RANK, lora_b_std: float | None = None):  # fmt: skip
+    """The benchmark model `name` (MODELS): "w1" is `w1_model` with its defaults; the others are bench/models.py's
+    (Gemma-3-1B's and Qwen3-30B-A3B's shapes), made in `dtype` on the device, adapter included."""
+    if name == "w1":
+        return w1_model(tiny, device, dtype, seed, context, lora_rank, lora_b_std)
+    import models  # (bench/models.py, beside this file; it imports this module)
+
+    return models.build(name, tiny, device, dtype, seed, context, lora_rank, lora_b_std)
 
 
 def random_prompts(batch: int, length: int, vocab: int = W1_VOCAB, seed: int = 0, vary: bool = False) -> list:

@@ -1,12 +1,21 @@
 """W2 (shared/bench/WORKLOAD.md): rollout throughput on W1's model with a live LoRA adapter, beside TRL's paths.
 
-Model: `common.w1_model` (bf16, random weights from seed 0, LoRA r=64 on all linear layers, lora_B ~ N(0, 0.01^2)).
+Model: `common.w1_model` (bf16, random weights from seed 0, LoRA r=64 on all linear layers, lora_B ~ N(0, 0.01^2)), or
+with --model gemma3-1b / qwen3-moe the same on Gemma-3-1B's or (24 layers of) Qwen3-30B-A3B's shape (bench/models.py;
+issue 33). The JSON names the model (`model`: config, parameters, where peft put LoRA) and holds `speedup_vs_hf`, the
+engine's tok/s over TRL's generate path per batch. What assumes W1's shape is adapted or skipped with its reason: the
+roofline counts a sparse model's expected routed experts and each layer's window; a --variants kernel setting of a
+fused kernel group the model's decode step does not run (Gemma: none; MoE: qkv and o only) is skipped; the fused
+kernels' launch settings (tuned at W1's shapes) are used as they are (`engine_config.kernel_choices_tuned_for`); the
+release-then-reuse check expects no capture only where the fused qkv kernel writes the cache (not Gemma); fp32 is
+skipped for the full-size MoE (`MODEL_SKIPS`: it does not fit).
 Prompts: 256 random tokens, 256 new tokens at temperature 1.0, no EOS, batch 8, 64, 256. `SECTIONS` (listed below)
 run in order, `--skip NAME` leaves one out, the JSON is saved after each. A failed check (fp32 greedy, a rollout's
 length, a capture after release, a torch.compile fallback) or a section that raises is a problem (`problems`, `errors`;
 exit status 1); nothing is switched off to pass a check. The kernels' checks at W1's shapes are GPU tests
-(tests/rollout/kernels/test_w1_shapes.py); their launch settings come from bench/tune_decode.py. --tiny: the 2-layer
-W1-family model, 64-token prompts, 8 new tokens, on the CPU without a GPU (a smoke run; CUDA sections are skipped).
+(tests/rollout/kernels/test_w1_shapes.py); their launch settings come from bench/tune_decode.py. --tiny: a 2-layer
+model of --model's family, 64-token prompts, 8 new tokens, on the CPU without a GPU (a smoke run; CUDA sections are
+skipped).
 --variants, each KEY=VALUE[,KEY=VALUE]: pdl (`kernels.common.MODE`; 0 = ordinary launches), a boolean EngineOptions
 field, or GROUP[@ROWS].FIELD (a `KernelChoice` field in every decode row bucket, or in that of ROWS rows).
 --repeat-prompts G: each timed batch holds batch / G distinct prompts, each G times in a row, as TRL repeats GRPO's
@@ -16,6 +25,7 @@ prompts; with `--variants share_prompt_prefill=0` it times the engine without th
     python bench/rollout.py [$OUT/rollout.json] [--batches 8 64 256] [--baseline-tokens 64] [--skip hf cb ...]
                             [--variants pdl=0 deterministic=1 down@64.split_k=1 ...] [--fp32-check] [--tiny]
                             [--repeat-prompts 8 --prompt-tokens 1024 --variants share_prompt_prefill=0]
+                            [--model w1|gemma3-1b|qwen3-moe]
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # a test loads this file by path
 import common  # noqa: E402
+import models  # noqa: E402
 import torch  # noqa: E402
 from common import Report, recorded, sync_time  # noqa: E402
 
@@ -42,6 +53,9 @@ from slimrl.rollout.sampling import SamplingParams  # noqa: E402
 
 W2_SAMPLING = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
 UNFUSED = dict(fused_decode=False, fused_sampling=False)
+# sections a model cannot run at full size, with the reason (reported under `skipped`; --tiny runs them)
+MODEL_SKIPS = {"qwen3-moe": {"fp32": "an fp32 copy of the 15.6B-parameter model (62 GB, plus 8 GB of LoRA) and "
+                             "generate's working set do not fit an 80 GB GPU"}}  # fmt: skip
 
 
 @dataclass
@@ -137,23 +151,47 @@ def parse_variant(variant: str, engine: RolloutEngine) -> tuple[dict, int | None
     return flags, pdl
 
 
+def kernel_groups(engine: RolloutEngine) -> set[str]:
+    """The fused decode kernel groups this model's decode step runs when fused_decode is on: none for a recipe other
+    than Llama's (Gemma's norm and GeGLU, rollout/model/features.py), only the attention's for sparse layers (the
+    experts run moe.py's routed GEMMs), all four for a dense Llama-style model such as W1's."""
+    decoder = engine.decoder
+    if not decoder.recipe.llama_pieces:
+        return set()
+    sparse = any(layer.sparse is not None for layer in decoder.layers)
+    return {"qkv", "o"} if sparse else {"qkv", "o", "gate_up", "down"}
+
+
+def step_bytes(bench: Bench, batch: int) -> float:
+    """Bytes one decode step of `batch` rows reads at the mean context (prompt + half the new tokens): every weight,
+    except that of a sparse model's experts only the expected share its tokens are routed to if each token picks
+    top_k of E experts uniformly, 1 - (1 - k/E)^batch; and each layer's K/V up to its sliding window."""
+    d, config = bench.engine.describe(), bench.model.config
+    context = bench.args.prompt_tokens + bench.args.new_tokens / 2
+    kv_token = 2 * d["kv_heads"] * d["head_dim"] * getattr(torch, d["dtype"]).itemsize  # one layer's K and V
+    kv = batch * kv_token * sum(context if w is None else min(context, w) for w in bench.engine.decoder.windows)
+    weights, experts = common.weight_bytes(bench.model), models.expert_bytes(bench.model)
+    if experts:
+        weights -= experts * (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    return weights + kv
+
+
 def section_roofline(bench: Bench) -> None:
-    d, batches = bench.engine.describe(), bench.args.batches
     bandwidth = common.copy_bandwidth()
     bench.report["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
-    kv_token = 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * getattr(torch, d["dtype"]).itemsize
-    context = bench.args.prompt_tokens + bench.args.new_tokens / 2
-    step_bytes = {b: common.weight_bytes(bench.model) + b * context * kv_token for b in batches}
-    bench.report["roofline"] = {f"B{b}": round(b * bandwidth / step_bytes[b]) for b in batches}
+    bench.report["roofline"] = {f"B{b}": round(b * bandwidth / step_bytes(bench, b)) for b in bench.args.batches}
 
 
 def section_engine(bench: Bench) -> None:
     from slimrl.rollout.kernels.common import options as launch_options
 
     engine, runner = bench.engine, bench.engine.runner
-    bench.report["engine_config"] = {**engine.describe(), "pdl_mode": launch_options(engine.device)["PDL"]}
+    bench.report["engine_config"] = {**engine.describe(), "pdl_mode": launch_options(engine.device)["PDL"],
+                                     "fused_kernel_groups": sorted(kernel_groups(engine)),
+                                     "kernel_choices_tuned_for": "W1's shapes (bench/tune_decode.py)"}  # fmt: skip
     time_batches(bench, engine, bench.report.setdefault("engine", {}), "engine")
-    failed = [getattr(p, "fn", p).__name__ for p in (*runner.ops[:4], runner.choose) if getattr(p, "failed", False)]
+    ops = engine.decoder.recipe_ops(runner.ops)  # the pieces this model's forward runs (Gemma's own norm, GeGLU)
+    failed = [getattr(p, "fn", p).__name__ for p in (*ops[:4], runner.choose) if getattr(p, "failed", False)]
     bench.report["engine_compile_failed"] = failed
     if failed:
         bench.report["problems"].append(f"torch.compile failed for {failed}: the engine ran them eagerly")
@@ -164,6 +202,12 @@ def section_variants(bench: Bench) -> None:
 
     saved, bench.report["engine_variants"] = launch.MODE, {}
     for variant in bench.args.variants:
+        keys = [item.split("=")[0] for item in variant.split(",") if item]
+        groups = {key.split(".")[0].partition("@")[0] for key in keys if "." in key}  # GROUP[@ROWS].FIELD entries
+        unused = sorted(groups - kernel_groups(bench.engine))
+        if unused:  # timing it would time the engine unchanged under the variant's name
+            bench.report["skipped"][f"variant {variant}"] = f"this model's decode step runs no fused {unused} kernel"
+            continue
         with recorded(bench.report, f"variant {variant}"):
             flags, pdl = parse_variant(variant, bench.engine)
             launch.MODE = saved if pdl is None else pdl  # read at every launch: the fresh engine captures with it
@@ -191,7 +235,10 @@ def section_reuse(bench: Bench) -> None:
                                           "capture_s": round(out.stats["capture_s"], 4),
                                           "s": round(sync_time() - start, 3)}  # fmt: skip
     o = engine.options
-    if o.cuda_graphs and o.fused_decode and o.triton_attention and captures:
+    # the graph outlives the cache only where the fused qkv kernel writes K/V through the address table (not Gemma)
+    kept = bool(o.cuda_graphs and o.fused_decode and o.triton_attention and "qkv" in kernel_groups(engine))
+    bench.report["release_then_reuse"]["graph_kept_by_design"] = kept
+    if kept and captures:
         bench.report["problems"].append(f"the rollout after release() captured {captures} graph(s), not 0")
 
 
@@ -261,6 +308,12 @@ SECTIONS = (  # (name for --skip, what it runs, whether it needs CUDA, what it r
 )
 
 
+def speedups(report: Report) -> dict:
+    """The engine's tok/s over TRL's generate path (section hf), per batch timed by both."""
+    engine, hf = report.get("engine", {}), report.get("hf", {})
+    return {b: round(engine[b]["tok_s"] / hf[b]["tok_s"], 1) for b in engine if hf.get(b, {}).get("tok_s")}
+
+
 def parse_args(argv) -> argparse.Namespace:
     epilog = "sections, in order:\n" + "\n".join(f"  {name:9} {what}" for name, _, _, what in SECTIONS)
     parser = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawTextHelpFormatter)
@@ -270,7 +323,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--skip", nargs="*", default=[], choices=[*(s[0] for s in SECTIONS), "ungrouped"])  # (gone)
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
     parser.add_argument("--variants", nargs="*", default=["pdl=0"], help="engine settings to time (see above)")
-    parser.add_argument("--tiny", action="store_true", help="the 2-layer W1-family model: a CPU smoke run")
+    parser.add_argument("--model", choices=common.MODELS, default="w1", help="W1's (default) or another shape")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: a CPU smoke run")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; 64 with --tiny)")
     parser.add_argument("--repeat-prompts", type=int, default=1, help="G: each prompt G times in a row, as GRPO's")
     args = parser.parse_args(argv)
@@ -292,19 +346,24 @@ def main(argv=None) -> Report:
                     sampling="temperature 1.0, top_k 0, top_p 1.0, no EOS", skipped={},
                     baseline_note=f"hf, cb: {args.baseline_tokens} new tokens per sequence (host overhead dominates "
                     "their step: tok/s changes little with length)")  # fmt: skip
-    model = common.w1_model(tiny=args.tiny, device="cuda" if cuda else "cpu", lora_b_std=0.01).eval()
+    model = common.model_for(args.model, tiny=args.tiny, device="cuda" if cuda else "cpu", lora_b_std=0.01).eval()
+    report["model"] = models.describe(args.model, model)
     report["weight_GiB"] = round(common.weight_bytes(model) / 2**30, 3)
     bench = Bench(args, report, model)
     with recorded(report, "engine construction"):
         bench.engine = bench.new_engine()
-    skip = {**{name: "--skip" for name in args.skip}, **({} if args.fp32_check else {"fp32": "no --fp32-check"})}
+    skip = {**({} if args.tiny else MODEL_SKIPS.get(args.model, {})), **{name: "--skip" for name in args.skip},
+            **({} if args.fp32_check else {"fp32": "no --fp32-check"})}  # fmt: skip
     for name, run, needs_cuda, _ in SECTIONS if bench.engine is not None else ():
         if name in skip or (needs_cuda and not cuda):
             report["skipped"][name] = skip.get(name, "needs CUDA")
             continue
         with recorded(report, name):
             run(bench)
-    print(json.dumps({k: report.get(k) for k in ("engine", "engine_variants", "problems")}), flush=True)
+    report["speedup_vs_hf"] = speedups(report)
+    report.save()
+    shown = ("engine", "engine_variants", "speedup_vs_hf", "problems")
+    print(json.dumps({k: report.get(k) for k in shown}), flush=True)
     return report
 
 
