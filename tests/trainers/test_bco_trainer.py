@@ -24,7 +24,7 @@ BETA = 0.5
 HISTORY = dict(mean=0.3, var=0.5, std=0.75, count=5.0)  # a running shift as if 5 rewards had been seen
 
 
-def build(dataset=None, model=None, **config) -> BCOTrainer:
+def build(dataset=None, model=None, trainer_kwargs: dict | None = None, **config) -> BCOTrainer:
     settings = dict(output_dir="/tmp/slimrl-test-bco", per_device_train_batch_size=8, report_to="none",
                     save_strategy="no", bf16=False, use_cpu=True, disable_tqdm=True, gradient_checkpointing=False,
                     logging_steps=1, beta=BETA)  # fmt: skip
@@ -33,7 +33,7 @@ def build(dataset=None, model=None, **config) -> BCOTrainer:
         warnings.simplefilter("ignore", FutureWarning)  # transformers' renamed gradient-checkpointing methods
         return BCOTrainer(lora_tiny_model() if model is None else model, args=BCOConfig(**settings),
                           train_dataset=kto_dataset() if dataset is None else dataset,
-                          processing_class=tiny_tokenizer())  # fmt: skip
+                          processing_class=tiny_tokenizer(), **(trainer_kwargs or {}))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,10 @@ def first_batch(trainer) -> dict:
     return trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
 
 
-def plain_bco_step(trainer, batch):
-    """BCO's step as TRL 0.2x wrote it, from full logits: rewards, the shift folded with them, the mean loss and its
-    backward. Returns (loss, gradients, rewards [N], new shift)."""
+def plain_bco_step(trainer, batch, weights: torch.Tensor | None = None):
+    """BCO's step as TRL 0.2x wrote it, from full logits: rewards, the shift folded with them, the mean loss (each
+    row's term times its UDM weight when `weights` [N] are given) and its backward. Returns (loss, gradients,
+    rewards [N], new shift)."""
     model, mask = trainer.model, batch["completion_mask"][:, 1:]
     model.zero_grad(set_to_none=True)
 
@@ -65,7 +66,7 @@ def plain_bco_step(trainer, batch):
     delta = (HISTORY["mean"] * HISTORY["count"] + rewards.detach().sum()) / (HISTORY["count"] + n)  # a plain mean
     desirable = batch["label"].bool()
     losses = torch.where(desirable, -F.logsigmoid(rewards - delta), -F.logsigmoid(-(rewards - delta)))
-    loss = losses.mean()
+    loss = (losses if weights is None else losses * weights).mean()
     loss.backward()
     return loss.detach(), step_compare.trainable_grads(model), rewards.detach(), delta.item()
 
@@ -179,17 +180,13 @@ def test_wrong_columns_are_named_with_the_fix(rows, message):
         build(dataset=Dataset.from_list(rows), model=tiny_model())
 
 
-def test_density_ratio_matching_is_refused_with_the_fix():
-    with pytest.raises(NotImplementedError, match=r"UDM.*not supported.*Drop embedding_func and embedding_tokenizer"):
-        BCOTrainer(tiny_model(), args=BCOConfig("/tmp/slimrl-test-bco", use_cpu=True), train_dataset=kto_dataset(),
-                   processing_class=tiny_tokenizer(), embedding_func=lambda **kwargs: None)  # fmt: skip
-
-
 @pytest.mark.parametrize(("setting", "message"), [
     (dict(loss_type="kto"), r"one loss, 'bco'.*slimrl.KTOConfig"),
     (dict(desirable_weight=2.0), r"desirable_weight=2.0 is a KTO setting.*Leave desirable_weight at 1.0"),
     (dict(truncation_mode="middle"), r"truncation_mode must be one of keep_end, keep_start"),
     (dict(max_prompt_length=0), r"max_prompt_length must be a positive number"),
+    (dict(prompt_sample_size=0), r"prompt_sample_size must be at least 1 prompt per label, got 0"),
+    (dict(min_density_ratio=2.0, max_density_ratio=1.0), r"min_density_ratio must be > 0 and at most max_density"),
 ])  # fmt: skip
 def test_config_refuses_what_bco_has_no_use_for(setting, message):
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,6 @@
-"""BCO's input checks: the dataset columns and labels, and the constructor arguments of TRL 0.2x's BCOTrainer that
-slimrl does not support, each refused with the change to make (TRL would fail later with a bare KeyError, or run
-without the feature)."""
+"""BCO's input checks: the dataset columns and labels, the density-ratio matching arguments (both or neither), and
+the constructor arguments of TRL 0.2x's BCOTrainer that slimrl does not support, each refused with the change to make
+(TRL would fail later with a bare KeyError, or run without the feature)."""
 
 from __future__ import annotations
 
@@ -59,16 +59,24 @@ def check_labels(dataset, name: str) -> None:
         )
 
 
-def check_unsupported_arguments(model_init, preprocess_logits_for_metrics, model_adapter_name, ref_adapter_name,
-                                embedding_func, embedding_tokenizer) -> None:  # fmt: skip
-    """TRL 0.2x BCOTrainer arguments slimrl does not support: an error naming each and what to do instead."""
-    if embedding_func is not None or embedding_tokenizer is not None:
-        raise NotImplementedError(
-            "BCO's underlying distribution matching (UDM: embedding_func / embedding_tokenizer, with "
-            "prompt_sample_size, min_density_ratio and max_density_ratio) is not supported by slimrl's BCOTrainer: "
-            "it would weight thumbs-down examples by a density-ratio classifier over prompt embeddings. Drop "
-            "embedding_func and embedding_tokenizer to train with plain BCO (every example weighted 1)."
+def check_udm_arguments(embedding_func, embedding_tokenizer) -> None:
+    """Density-ratio matching (UDM) needs both the embedding function and the tokenizer that feeds it."""
+    if (embedding_func is None) != (embedding_tokenizer is None):
+        given, missing = ("embedding_func", "embedding_tokenizer") if embedding_tokenizer is None else \
+            ("embedding_tokenizer", "embedding_func")  # fmt: skip
+        raise ValueError(
+            f"BCO's density-ratio matching (UDM) needs both embedding_func and embedding_tokenizer; only {given} was "
+            f"given. Pass {missing} too (embedding_func(input_ids=..., attention_mask=...) embeds the ids "
+            f"embedding_tokenizer makes of each prompt), or drop {given} to train plain BCO (every example weighted 1)."
         )
+    if embedding_func is not None and not callable(embedding_func):
+        raise ValueError(f"embedding_func must be a function of (input_ids, attention_mask) returning one embedding "
+                         f"per prompt, a [batch, dim] tensor; got a {type(embedding_func).__name__}.")  # fmt: skip
+
+
+def check_unsupported_arguments(model_init, preprocess_logits_for_metrics, model_adapter_name,
+                                ref_adapter_name) -> None:  # fmt: skip
+    """TRL 0.2x BCOTrainer arguments slimrl does not support: an error naming each and what to do instead."""
     if model_init is not None:
         raise ValueError("model_init is not supported by slimrl's BCOTrainer; pass the model itself as `model`.")
     if preprocess_logits_for_metrics is not None:

@@ -2,10 +2,10 @@
 on: tokenisation, collation, reference model, precomputed reference log-probs), plus slimrl's fields (SlimFields).
 
 TRL 0.2x's names and defaults: beta 0.1, max_length 1024, max_prompt_length, max_completion_length,
-truncation_mode "keep_end", precompute_ref_log_probs, and the density-ratio matching settings prompt_sample_size
-1024, min_density_ratio 0.5, max_density_ratio 10.0 (read only with an `embedding_func`, which slimrl refuses:
-see `BCOTrainer`). KTO's own knobs (loss_type, desirable_weight, undesirable_weight) have no meaning for BCO and are
-refused when changed.
+truncation_mode "keep_end", precompute_ref_log_probs, and the density-ratio matching (UDM) settings
+prompt_sample_size 1024, min_density_ratio 0.5, max_density_ratio 10.0 (read only when the trainer is given an
+`embedding_func` and an `embedding_tokenizer`: see udm.py). KTO's own knobs (loss_type, desirable_weight,
+undesirable_weight) have no meaning for BCO and are refused when changed.
 """
 
 from __future__ import annotations
@@ -42,11 +42,14 @@ class BCOConfig(SlimFields, trl.KTOConfig):
     truncation_mode: str = setting("keep_end", "Which end of a prompt longer than max_prompt_length is kept.")
     prompt_sample_size: int = setting(
         1024,
-        "Density-ratio matching (UDM): prompts per label fed to the density-ratio classifier. Used only with an "
-        "`embedding_func`, which slimrl does not support yet.",
+        "Density-ratio matching (UDM, on when the trainer gets embedding_func and embedding_tokenizer): at most this "
+        "many prompts per label of the train dataset, sampled with `seed`, fit the classifier telling thumbs-up "
+        "prompts from thumbs-down ones.",
     )
-    min_density_ratio: float = setting(0.5, "UDM: lower clamp of the estimated density ratio (unused in slimrl).")
-    max_density_ratio: float = setting(10.0, "UDM: upper clamp of the estimated density ratio (unused in slimrl).")
+    min_density_ratio: float = setting(
+        0.5, "UDM: lower clamp of a thumbs-down example's loss weight, the estimated density ratio p / (1 - p)."
+    )
+    max_density_ratio: float = setting(10.0, "UDM: upper clamp of a thumbs-down example's loss weight.")
 
     def __post_init__(self):
         check_bco_fields(self)
@@ -70,6 +73,8 @@ def check_bco_fields(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"{name} must be a positive number of tokens or None, got {value}.")
+    if args.prompt_sample_size < 1:
+        raise ValueError(f"prompt_sample_size must be at least 1 prompt per label, got {args.prompt_sample_size}.")
     if not 0 < args.min_density_ratio <= args.max_density_ratio:
         raise ValueError("min_density_ratio must be > 0 and at most max_density_ratio, got "
                          f"{args.min_density_ratio} and {args.max_density_ratio}.")  # fmt: skip

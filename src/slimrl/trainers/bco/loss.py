@@ -5,10 +5,13 @@ logit of a binary classifier: thumbs-up completions towards r > delta, thumbs-do
 shift delta is the running mean of every reward seen in training so far (TRL 0.2x's RunningMoments: updated with the
 micro-batch's rewards, gathered over processes, before the micro-batch's loss reads it). With N rows,
 
-    loss = (1 / N) * sum_i  -log sigmoid(s_i * (r_i - delta)),   s_i = +1 desirable, -1 undesirable.
+    loss = (1 / N) * sum_i  w_i * -log sigmoid(s_i * (r_i - delta)),   s_i = +1 desirable, -1 undesirable,
 
-With N and delta fixed before the first chunk, the micro-batch's loss is the sum over its chunks of their rows' terms
-over N: TRL's, up to summation order. delta carries no gradient (TRL's update runs under no_grad).
+where w_i = 1 unless density-ratio matching (UDM, density_ratio.py) weights the undesirable rows; as in TRL 0.2x the
+weights are not normalised (the mean is still over the N rows), and they are fixed per row before any chunking.
+
+With N, delta and the weights fixed before the first chunk, the micro-batch's loss is the sum over its chunks of
+their rows' terms over N: TRL's, up to summation order. delta carries no gradient (TRL's update runs under no_grad).
 
 Shapes: b rows in the chunk, t shifted token positions.
 """
@@ -23,11 +26,14 @@ import torch
 import torch.nn.functional as F
 
 
-def bco_losses(rewards: torch.Tensor, desirable: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """[b] each row's loss: -log sigmoid(r - delta) for a desirable row, -log sigmoid(-(r - delta)) otherwise.
-    rewards [b] (with grad), desirable [b] bool, delta a detached scalar."""
+def bco_losses(rewards: torch.Tensor, desirable: torch.Tensor, delta: torch.Tensor,
+               weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """[b] each row's loss: -log sigmoid(r - delta) for a desirable row, -log sigmoid(-(r - delta)) otherwise, times
+    the row's density-ratio weight when UDM is on. rewards [b] (with grad), desirable [b] bool, delta a detached
+    scalar, weights [b] detached (1 for desirable rows) or None."""
     shifted = rewards - delta
-    return -F.logsigmoid(torch.where(desirable, shifted, -shifted))
+    losses = -F.logsigmoid(torch.where(desirable, shifted, -shifted))
+    return losses if weights is None else losses * weights.to(losses.dtype)
 
 
 @dataclass

@@ -7,10 +7,13 @@ the "ref" adapter, or the adapter disabled), precomputed reference log-probs, th
 evaluation. BCO differs in what KTO's mismatched ("KL") completions did: it needs none (`calculate_KL` is always
 False, so TRL builds none and any sampling order works), its reference point is the running mean of the rewards
 (loss.RunningMoments), and its loss is -log sigmoid(+-(r - delta)). Overrides, each for one reason:
-- `__init__`: TRL 0.2x's BCOTrainer signature; refuses what slimrl does not support (UDM's embedding_func, ...)
-  and checks the dataset's columns and labels before TRL prepares it.
+- `__init__`: TRL 0.2x's BCOTrainer signature; refuses what slimrl does not support, checks the dataset's columns
+  and labels before TRL prepares it, and with `embedding_func` and `embedding_tokenizer` turns on density-ratio
+  matching (UDM): its collator then carries each row's `udm_weight` into the batch.
 - `_prepare_dataset`: TRL's, then the prompt cut to max_prompt_length and the completion to max_completion_length,
-  and only then the examples whose prompt fills max_length dropped, with a warning (data.py).
+  and only then the examples whose prompt fills max_length dropped, with a warning (data.py); with UDM, the
+  density-ratio classifier fit on the train dataset and every dataset given its `udm_weight` column (udm.py).
+- `_set_signature_columns_if_needed`: TRL's columns, plus `udm_weight` with UDM, so the Trainer keeps it.
 - `compute_loss`: BCO's loss in chunks of sequences through the chunk-plan protocol. Before the first chunk: the
   reference log-probs and, in training, the running shift folded with the micro-batch's rewards (a gradient-free
   policy pass when there are several chunks; with one chunk its own forward supplies them).
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import trl
 
-from slimrl.trainers.bco import data
-from slimrl.trainers.bco.checks import check_datasets, check_unsupported_arguments
+from slimrl.trainers.bco import data, udm
+from slimrl.trainers.bco.checks import check_datasets, check_udm_arguments, check_unsupported_arguments
 from slimrl.trainers.bco.config import BCOConfig
 from slimrl.trainers.bco.loss import RunningMoments, append_metrics, bco_losses
 from slimrl.trainers.common.base import SlimTrainerMixin
@@ -42,7 +45,7 @@ from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, referenc
 __all__ = ["BCOConfig", "BCOTrainer"]
 
 # What TRL's text collator puts in a batch (no KL sequences for BCO); the chunked step splits each of these by rows.
-BATCH_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "label", "ref_logps"})
+BATCH_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "label", "ref_logps", udm.WEIGHT_COLUMN})
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "completion_mask")  # [N, T]: a chunk keeps its width's columns
 STATS = "bco"  # the name of a chunk's metric sums (loss.STAT_NAMES) in run_chunks' totals
 RUNNING_NAME = "running.json"  # TRL 0.2x's file for the running shift in a checkpoint
@@ -55,6 +58,7 @@ class _MicroBatch(ChunkPlan):
     desirable: torch.Tensor  # [N] bool
     ref_logps: torch.Tensor  # [N] reference completion log-probs
     delta: torch.Tensor | None  # the running shift, detached; None: one training chunk, which folds in its rewards
+    weights: torch.Tensor | None  # [N] UDM's per-row loss weights (from the dataset, so fixed per row); None: off
 
 
 class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
@@ -80,19 +84,29 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
                  preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None, model_adapter_name=None,
                  ref_adapter_name=None, embedding_func=None, embedding_tokenizer=None,
                  quantization_config=None):  # fmt: skip
-        check_unsupported_arguments(model_init, preprocess_logits_for_metrics, model_adapter_name, ref_adapter_name,
-                                    embedding_func, embedding_tokenizer)  # fmt: skip
+        check_unsupported_arguments(model_init, preprocess_logits_for_metrics, model_adapter_name, ref_adapter_name)
+        check_udm_arguments(embedding_func, embedding_tokenizer)
         if args is not None and not isinstance(args, BCOConfig):
             raise TypeError(f"args must be a slimrl.BCOConfig (BCO's settings live there), got {type(args).__name__}.")
         args = with_slim_fields(args, model, BCOConfig, "BCO")
         check_datasets(train_dataset, eval_dataset)
         self.running = RunningMoments()
+        # read by _prepare_dataset, which TRL calls inside its __init__
+        self.embedding_func, self.embedding_tokenizer = embedding_func, embedding_tokenizer
+        self.clf = None  # the density-ratio classifier (TRL 0.2x's name), fit on the train dataset with UDM
         super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class,
                          compute_metrics, callbacks, optimizers, quantization_config, peft_config)  # fmt: skip
+        if self.match_underlying_distribution:
+            self.data_collator = udm.WithUDMWeights(self.data_collator)
         if self.aux_loss_enabled:
             raise ValueError("slimrl's BCOTrainer does not add a Mixture-of-Experts load-balancing loss; set "
                              "router_aux_loss_coef=0.0 in BCOConfig to train this MoE model without it.")  # fmt: skip
         self._apply_memory_savers()
+
+    @property
+    def match_underlying_distribution(self) -> bool:
+        """Whether density-ratio matching (UDM) weights the thumbs-down examples (TRL 0.2x's name)."""
+        return self.embedding_func is not None and self.embedding_tokenizer is not None
 
     # BCO builds no mismatched completions: TRL's KTO machinery reads this flag (set in its __init__) to skip them
     calculate_KL = property(lambda self: False, lambda self, value: None)
@@ -104,7 +118,19 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             prepared = super()._prepare_dataset(dataset, processing_class, data.WithoutDrop(args), dataset_name)
         prepared = data.truncate(prepared, args, dataset_name)
         data.report_dropped(prepared, dataset, args, dataset_name)
-        return prepared
+        if not self.match_underlying_distribution:
+            return prepared
+        embed = udm.PromptEmbedder(self.embedding_func, self.embedding_tokenizer, processing_class,
+                                   args.per_device_train_batch_size, args.device)  # fmt: skip
+        if self.clf is None:  # TRL prepares the train dataset first, in __init__
+            self.clf = udm.fit_classifier(prepared, embed, args)
+        return udm.with_weights(prepared, self.clf, embed, args, dataset_name)
+
+    def _set_signature_columns_if_needed(self):
+        # contract: TRL's columns kept for the collator, plus the UDM weights the collator wrapper reads
+        super()._set_signature_columns_if_needed()
+        if self.match_underlying_distribution and udm.WEIGHT_COLUMN not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, udm.WEIGHT_COLUMN]
 
     # -- the chunked loss ------------------------------------------------------------------------------------------
 
@@ -129,6 +155,10 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             raise ValueError(f"The batch carries inputs slimrl's BCOTrainer does not read ({', '.join(unknown)}); a "
                              "custom data_collator must return TRL's unpaired keys: input_ids, attention_mask, "
                              "completion_mask, label (and ref_logps when precomputed).")  # fmt: skip
+        if self.match_underlying_distribution and udm.WEIGHT_COLUMN not in inputs:
+            raise ValueError(f"Density-ratio matching is on but the batch has no {udm.WEIGHT_COLUMN!r}: the trainer's "
+                             "data_collator was replaced after construction. Pass a custom collator to BCOTrainer as "
+                             "data_collator=..., which slimrl wraps to carry the weights.")  # fmt: skip
         return None
 
     def _plan_micro_batch(self, model, batch, mode: str, num_items_in_batch=None) -> _MicroBatch:
@@ -149,7 +179,9 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
             with torch.no_grad():
                 policy_logps = self._sequence_logps(model, batch, chunks)  # [N]
             delta = self._fold_rewards(self.beta * (policy_logps - ref_logps))
-        return _MicroBatch(chunks, desirable.numel(), desirable, ref_logps, delta)
+        weights = batch.get(udm.WEIGHT_COLUMN)
+        weights = weights.to(device) if weights is not None else None
+        return _MicroBatch(chunks, desirable.numel(), desirable, ref_logps, delta, weights)
 
     def _chunk_loss(self, model, batch, plan: _MicroBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of the loss (with grad) and its share of the metric sums."""
@@ -161,7 +193,8 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
         delta = plan.delta
         if delta is None:  # the only chunk of a training micro-batch: its rewards are the micro-batch's
             delta = stats["delta"] = self._fold_rewards(rewards.detach())
-        loss = bco_losses(rewards, desirable, delta).sum() / plan.normaliser
+        weights = plan.weights.index_select(0, rows) if plan.weights is not None else None
+        loss = bco_losses(rewards, desirable, delta, weights).sum() / plan.normaliser
         positions = chunk.width - 1  # shifted: position j predicts token j + 1
         stats[STATS] = chunk_stats(logps, rewards, desirable, outputs.entropy[:, -positions:],
                                    outputs.mean_logits[:, -positions:], completion_mask[:, 1:])  # fmt: skip
