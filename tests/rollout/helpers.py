@@ -37,7 +37,10 @@ def build(arch: str, seed: int = 0, **overrides):
         config = moe_config(arch, common, overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        # Gemma 2's capped attention scores need eager attention: transformers 5.17 picks SDPA (which drops the cap)
+        # and 5.2x eager, so it is named here for the tests to mean the same model everywhere
+        attention = {"attn_implementation": "eager"} if arch == "gemma2" else {}
+        model = AutoModelForCausalLM.from_config(config, **attention)
         if arch in GEMMA_ARCHS:  # Gemma's norms start at zero (scale 1 + 0): random ones make each norm matter
             for name, param in model.named_parameters():
                 if "norm" in name:

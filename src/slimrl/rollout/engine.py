@@ -25,6 +25,7 @@ import torch
 from slimrl.rollout import cuda_graph, planning
 from slimrl.rollout.model.lengths import engine_max_seq_len
 from slimrl.rollout.model.llama import Decoder
+from slimrl.rollout.model.moe import StagedFactors
 from slimrl.rollout.model.views import supports
 from slimrl.rollout.options import EngineOptions
 from slimrl.rollout.runner import Runner
@@ -84,6 +85,7 @@ class RolloutEngine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
         self.model = model
         self.decoder = Decoder(model)
+        self.staged = StagedFactors()  # MoE experts' LoRA factors laid out once per rollout (moe.StagedFactors)
         self.device = self.decoder.device
         self.options = dataclasses.replace(options or EngineOptions(), **flags).resolve(self.device, self.decoder.dtype)
         self.max_seq_len = engine_max_seq_len(self.decoder.causal_lm, max_seq_len)
@@ -131,6 +133,8 @@ class RolloutEngine:
         # prefill_rows: rows the prefill's forward ran (each wave's distinct prompts with share_prompt_prefill)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0, "prefill_rows": 0}
         tf32_before = torch.backends.cuda.matmul.allow_tf32
+        self.staged.begin()  # adapters may have changed since the last rollout: refresh the staged factors
+        d.staged = self.staged
         try:
             torch.backends.cuda.matmul.allow_tf32 = tf32_before or self.options.tf32_adapters
             with torch.no_grad():
@@ -141,6 +145,7 @@ class RolloutEngine:
                         results[i] = out
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32_before
+            d.staged = None
         self.last_stats = stats
         return RolloutOutput(prompts, [r[0] for r in results], [r[1] for r in results] if params.logprobs else None,
                              [r[2] for r in results], stats)  # fmt: skip
@@ -153,6 +158,7 @@ class RolloutEngine:
         rollout of the same shape: no re-capture; so are the graphs of a few other shapes used before
         (`session.IDLE_GRAPHS`). Otherwise, or with keep_graph=False, the graphs and every buffer are freed too."""
         self.sessions.release(keep_graph)
+        self.staged.clear()  # a graph that read them captures again (their addresses are in its fingerprint)
 
     # -- one wave ------------------------------------------------------------------------------------------------
 

@@ -185,9 +185,7 @@ class Runner:
             return None
 
         def kernel(q, keys, values, starts, end, scale, layer):
-            # launch settings by batch size (bench/tune_decode.py on an H100, W1's shapes); fp32 tiles of 128
-            # columns exceed the shared memory
-            tiles = {"block_s": 128, "num_warps": 8} if q.shape[0] <= 64 and q.element_size() <= 2 else {}
+            tiles = module.launch_tiles(q.shape[0], q.dtype, q.shape[-1])
             return module.decode_attention(q, keys, values, starts, end, scale, layer, session.table, session.anchor,
                                            **tiles)  # fmt: skip
 

@@ -166,6 +166,7 @@ def test_what_the_engine_cannot_run_of_gemma_is_refused_with_the_reason():
 def test_cuda_defaults_match_generate_and_see_an_in_place_adapter_update(arch):
     # the engine's CUDA defaults: a captured decode graph, compiled pieces (Gemma's own), the Triton LoRA and
     # attention kernels, the fused decode kernels bound but bypassed for Gemma; past the sliding layer's window
+    # (Gemma 2 with eager attention, capped scores, as `build` makes it on every transformers version)
     import os
 
     model = with_lora(no_eos(build(arch, sliding_window=4))).cuda()
@@ -188,3 +189,23 @@ def test_cuda_defaults_match_generate_and_see_an_in_place_adapter_update(arch):
                 param.mul_(-2.0)
     again = engine.generate(PROMPTS, GREEDY, max_new_tokens=12).completion_ids
     assert again == generated() and again != first
+
+
+def test_gemma2_under_sdpa_the_engine_follows_the_models_uncapped_attention(caplog):
+    # transformers 5.17 loads Gemma 2 with SDPA by default, whose attention drops attn_logit_softcapping (5.2x raise
+    # instead): the trainer scores uncapped attention there, so the engine must sample from it too and say how to
+    # get the capped one
+    model = with_lora(no_eos(build("gemma2")))
+    assert Decoder(model).recipe.attn_softcap == 1.0
+    capped = hf_greedy(model, PROMPTS, 12, eos_token_id=None)
+    model.config._attn_implementation = "sdpa"
+    with caplog.at_level("WARNING", logger="slimrl.rollout.model.features"):
+        engine = RolloutEngine(model, max_seq_len=64)
+    assert engine.decoder.recipe.attn_softcap is None and "attn_implementation='eager'" in caplog.text
+    # what SDPA computes on 5.17: eager attention without the cap
+    model.config._attn_implementation = "eager"
+    for layer in model.base_model.model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    uncapped = hf_greedy(model, PROMPTS, 12, eos_token_id=None)
+    assert uncapped != capped, "the cap changes transformers' own output at these settings"
+    assert engine.generate(PROMPTS, GREEDY, 12).completion_ids == uncapped

@@ -159,3 +159,60 @@ def test_fused_decode_runs_attention_kernels_and_the_routed_experts(monkeypatch)
     out = engine.generate(PROMPTS, GREEDY, max_new_tokens=5).completion_ids
     assert out == hf_greedy(model, PROMPTS, 5, eos_token_id=None)
     assert calls["qkv"] > 0 and calls["gate_up"] == 0, calls
+
+
+# -- the experts' LoRA factors staged once per rollout --------------------------------------------------------------
+
+
+def test_staged_factors_are_refreshed_in_place_once_per_rollout():
+    model = with_lora(build("qwen3_moe"))
+    wrapper = next(w for w in moe._unwrap(first_block(model).experts)[1] if w.parameter_name == "gate_up_proj")
+    ((lora_a, lora_b, _),) = moe._active_factors(wrapper)
+    experts, staged = wrapper.num_experts, moe.StagedFactors()
+    with torch.no_grad():  # as the engine's generate runs it
+        staged.begin()
+        a, b = staged.factors(lora_a, lora_b, experts, torch.bfloat16)
+        fresh = moe.expert_layout(lora_a, lora_b, experts, torch.bfloat16)
+        assert torch.equal(a, fresh[0]) and torch.equal(b, fresh[1]) and b.dtype == torch.bfloat16
+        lora_b.mul_(-3.0)  # an optimizer step between rollouts
+        same = staged.factors(lora_a, lora_b, experts, torch.bfloat16)[1]
+        assert same is b and torch.equal(same, fresh[1]), "within a rollout the layout is not redone"
+        staged.begin()
+        again = staged.factors(lora_a, lora_b, experts, torch.bfloat16)[1]
+        assert again.data_ptr() == b.data_ptr(), "refreshed in place: a captured graph keeps reading it"
+        assert torch.equal(again, moe.expert_layout(lora_a, lora_b, experts, torch.bfloat16)[1])
+        assert not torch.equal(again, fresh[1])
+        identity = staged.identity()
+        staged.clear()
+        staged.factors(lora_a, lora_b, experts, torch.bfloat16)
+        assert len(staged.identity()) == len(identity) == 1
+
+
+def test_the_engine_stages_during_generate_and_release_frees_them():
+    model = with_lora(no_eos(build("qwen3_moe")))
+    engine = RolloutEngine(model)
+    engine.generate(PROMPTS, GREEDY, max_new_tokens=4)
+    layers = model.config.num_hidden_layers
+    assert engine.decoder.staged is None and len(engine.staged.entries) == 2 * layers  # gate_up and down per layer
+    engine.release()
+    assert not engine.staged.entries
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_read_the_staged_factors_after_in_place_updates():
+    # fp32 on CUDA (exact greedy against generate): the captured decode graph bakes the staged buffers' addresses;
+    # each rollout refreshes them in place, before any replay, so an optimizer step reaches the next rollout
+    import os
+
+    model = with_lora(no_eos(build("qwen3_moe", num_attention_heads=2, num_key_value_heads=1, head_dim=32))).cuda()
+    engine = RolloutEngine(model, max_seq_len=64, compile=os.environ.get("TRITON_INTERPRET", "0") != "1")
+    assert engine.options.cuda_graphs
+    outs = []
+    for release in (False, True, False):
+        out = engine.generate(PROMPTS, GREEDY, max_new_tokens=10).completion_ids
+        assert out == hf_greedy(model, PROMPTS, 10, eos_token_id=None)
+        outs.append(out)
+        step_the_adapter(model, lr=50.0, keep=lambda name: ".experts" in name)
+        if release:
+            engine.release()
+    assert outs[0] != outs[1] != outs[2]

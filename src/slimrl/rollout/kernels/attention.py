@@ -78,6 +78,25 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, t
     tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok)
 
 
+TILE_BYTES = 32 * 1024  # one K tile's bytes: its K and V tiles, double-buffered, fit an H100's 227 KiB shared memory
+
+
+def launch_tiles(batch: int, dtype: torch.dtype, head_dim: int) -> dict:
+    """`decode_attention`'s launch settings: tiles of 128 columns and 8 warps up to 64 rows of 2-byte values
+    (bench/tune_decode.py on an H100, W1's shapes), where the tile fits; else the widest of BLOCK_S, 32, 16 columns
+    that fits (Gemma 3's head_dim 256: 64 columns in bf16, 32 in fp32; measured on an H100, 128 bf16 columns of 256
+    needed 268 KiB)."""
+    def fits(block: int) -> bool:
+        return block * head_dim * dtype.itemsize <= TILE_BYTES
+
+    if batch <= 64 and dtype.itemsize <= 2 and fits(128):
+        return {"block_s": 128, "num_warps": 8}
+    block = BLOCK_S
+    while block > 16 and not fits(block):
+        block //= 2
+    return {} if block == BLOCK_S else {"block_s": block}
+
+
 def decode_attention(
     q: torch.Tensor,
     keys: torch.Tensor,

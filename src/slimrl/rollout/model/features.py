@@ -12,14 +12,20 @@ the fused decode kernels implement Llama's norm and SiLU only, so they are not u
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the embedding modules whose forward is the lookup times their `embed_scale` buffer in the weight's dtype
 SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
 GEMMA_NORMS = ("Gemma2RMSNorm", "Gemma3RMSNorm")
+# attention implementations that take transformers' `softcap` argument and drop it: a Gemma 2 loaded with one of them
+# (transformers 5.17 picks SDPA by default) computes uncapped scores in training, so the engine does too
+SOFTCAP_DROPPED_BY = ("sdpa",)
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def recipe_for(config) -> Recipe:
         norm="gemma",
         activation=config.hidden_activation,
         # Gemma 3's attention never passes attn_logit_softcapping to its attention function: transformers ignores it
-        attn_softcap=None if gemma3 else _cap(config.attn_logit_softcapping),
+        attn_softcap=None if gemma3 else _attention_softcap(config),
         final_softcap=_cap(config.final_logit_softcapping),
         rope_layer_types=tuple(config.layer_types) if gemma3 else None,
     )
@@ -64,6 +70,19 @@ def recipe_for(config) -> Recipe:
 
 def _cap(value) -> float | None:
     return None if value is None else float(value)
+
+
+def _attention_softcap(config) -> float | None:
+    """Gemma 2's cap on the attention scores as the model computes them: the engine samples from the policy that
+    the trainer scores, so where the model's attention implementation drops the cap, so does the engine."""
+    cap = _cap(config.attn_logit_softcapping)
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if cap is not None and any(name in implementation for name in SOFTCAP_DROPPED_BY):
+        logger.warning("slimrl: this Gemma 2 runs attention with %r, which ignores attn_logit_softcapping=%s; the "
+                       "rollout engine follows the model (uncapped scores). Load it with attn_implementation='eager' "
+                       "for the capped attention Gemma 2 was trained with.", implementation, cap)  # fmt: skip
+        return None
+    return cap
 
 
 # -- what check_supported asks of a Gemma model -------------------------------------------------------------------

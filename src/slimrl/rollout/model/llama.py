@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slimrl.ops.fused import Compiled
 from slimrl.rollout.model.features import recipe_for
-from slimrl.rollout.model.moe import SparseSpec, routed_mlp, sparse_identity, sparse_spec
+from slimrl.rollout.model.moe import SparseSpec, StagedFactors, routed_mlp, sparse_identity, sparse_spec
 from slimrl.rollout.model.reference import (
     EAGER_GROUPED,
     GroupedOps,
@@ -74,6 +74,8 @@ class Decoder:
         # each layer's sliding window (None: global), honoured by the prefill mask and the decode step's columns
         self.windows = layer_windows(causal_lm)
         self.device = self.embed.weight.device
+        # the experts' LoRA factors laid out once per rollout (moe.StagedFactors): set by the engine's generate
+        self.staged: StagedFactors | None = None
         with torch.no_grad():
             self.dtype = embed_tokens(self.embed, torch.zeros(1, dtype=torch.long, device=self.device)).dtype
 
@@ -123,7 +125,7 @@ class Decoder:
         pre = (norm_spec(layer.input_norm), linear_spec(layer.q), linear_spec(layer.k), linear_spec(layer.v))
         post = (linear_spec(layer.o), norm_spec(layer.post_norm))
         if layer.sparse is not None:  # a mixture-of-experts block (Qwen3-MoE, Mixtral)
-            return pre, (q_norm, k_norm), post, sparse_spec(layer.sparse)
+            return pre, (q_norm, k_norm), post, sparse_spec(layer.sparse, self.staged)
         mlp = (linear_spec(layer.gate), linear_spec(layer.up), linear_spec(layer.down))
         return pre, (q_norm, k_norm), post, mlp
 
@@ -202,6 +204,8 @@ class Decoder:
     def fingerprint(self) -> tuple:
         """Identity of every tensor and constant a captured graph bakes in; a change means capture again."""
         parts = [self.embed.weight.data_ptr(), self.norm.weight.data_ptr()]
+        if self.staged is not None:
+            parts.append(self.staged.identity())
         for layer in self.layers:
             if layer.sparse is not None:
                 parts.append(sparse_identity(layer.sparse))
