@@ -229,6 +229,15 @@ def demo_row(src: Source) -> str:
             f"{span(src.get('runs.*.accuracy_after'), pct)} | - | {meta_cells(src)} |")  # fmt: skip
 
 
+def distillation_row(src: Source) -> str:
+    slimrl_s, trl_s = (src.get(f"sides.{side}.step_median_after_first") for side in ("slimrl_distillation",
+                                                                                     "trl_distillation"))  # fmt: skip
+    shape = (f"{src.get('settings.prompts_per_step')} prompt x {src.get('settings.completions_per_prompt')} "
+             f"completions of {src.get('settings.completion_length'):,} tokens, beta {src.get('settings.beta')}")
+    return (f"| On-policy distillation, W3-style step (student W1 + LoRA, teacher W1-shaped; {shape}) | "
+            f"{slimrl_s:.2f} s ({trl_s / slimrl_s:.1f}x faster) | {trl_s:.2f} s | {meta_cells(src)} |")
+
+
 def render_status(b: dict[str, Source]) -> str:
     rloo, dpo, sft = b["rloo"], b["dpo"], b["sft"]
     slimrl_s, trl_s = (rloo.get(f"sides.{side}.mean_after_first.step_s") for side in ("slimrl_rloo", "trl_rloo"))
@@ -245,6 +254,7 @@ def render_status(b: dict[str, Source]) -> str:
         trl = "out of memory" if row["trl"] == "OOM" else gib(row["trl"]["peak_GiB"])
         lines.append(f"| SFT (W5), {sft.get('pairs_or_rows')} rows of {length:,} tokens: peak | "
                      f"{gib(row['slimrl']['peak_GiB'])} | {trl} | {meta_cells(sft)} |")  # fmt: skip
+    lines.append(distillation_row(b["distillation"]))
     lines += [demo_row(b["ppo_demo"]), demo_row(b["rloo_demo"])]
     return "\n".join(lines) + "\n\nSource files are under `docs/bench/`; docs/benchmarks.md gives each one's command."
 
