@@ -105,8 +105,8 @@ class FusedDecode:
     head_dim: int
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
-    # deterministic: LoRA shrinks add their K splits in order, and the down projection's shrink is not accumulated
-    # across the gate/up kernel's column tiles by atomics (it gets its own ordered shrink)
+    # deterministic: LoRA shrinks add their K splits in order, and the down projection's shrink, still computed in
+    # the gate/up kernel, adds its column tiles' shares in a fixed order (`projections._tree_sum`) instead of by atomics
     ordered: bool = False
     choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None
@@ -240,6 +240,7 @@ class FusedDecode:
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
             next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
             block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k, scratch=self._scratch(),
+            ordered=self.ordered,
         )  # fmt: skip
 
     def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
@@ -247,11 +248,11 @@ class FusedDecode:
 
     def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
         """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
-        same launch and picked up by the next `linear(act, down)`."""
+        same launch (in a fixed order when `ordered`) and picked up by the next `linear(act, down)`."""
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
-        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h) and not self.ordered:
+        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h):
             lora_a = down.loras[0][0]
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)

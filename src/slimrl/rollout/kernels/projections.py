@@ -23,6 +23,8 @@ Import this module only where Triton may be used: it imports triton at import ti
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -32,18 +34,20 @@ from slimrl.rollout.kernels.common import block_m as rows_per_program
 from slimrl.rollout.kernels.common import enter, precision, round_to, tile_columns
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
+from slimrl.rollout.kernels.lora import shrink_
 from slimrl.rollout.kv_cache import table_unit
 
-__all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
+__all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache", "tree_group"]
 
 
 @triton.jit
 def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_ptr, ws_ptr, lb0_ptr, lb1_ptr,
-                 s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, M, N, K, R, RN, COLS,
+                 s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, tp_ptr, tc_ptr, M, N, K, R, RN, COLS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, PAIR: tl.constexpr,
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
-                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr, GROUP: tl.constexpr,
+                 GROUPS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     lanes = tl.arange(0, BN)
@@ -64,12 +68,62 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
     if PAIR:  # F.silu(gate) * up in eager: silu in fp32 rounded once, then the product rounded
         out = round_to(round_to(y0 / (1.0 + tl.exp(-y0)), OUT) * y1, OUT)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(OUT), mask=tile)
-    if NEXT:  # the next projection's lora_A(out), this tile's share of it (the workspace was zeroed)
+    if NEXT:  # the next projection's lora_A(out), this tile's share of it
         offs_r = tl.arange(0, RN_PAD)
         a = tl.load(an_ptr + offs_r[:, None] * N + offs_n[None, :], mask=(offs_r[:, None] < RN) & n_ok[None, :],
                     other=0.0)  # fmt: skip
-        part = tl.dot(tl.where(tile, out, 0.0), tl.trans(a.to(tl.float32)), input_precision=PRECISION)
-        tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None], sem="relaxed")
+        if ORDERED:  # out cast to the adapter's dtype (peft's cast, as in `shrink_`); shares meet in a fixed order
+            part = tl.dot(tl.where(tile, out.to(a.dtype).to(tl.float32), 0.0), tl.trans(a.to(tl.float32)),
+                          input_precision=PRECISION)  # fmt: skip
+            done = tl.max(m_ok.to(tl.int32), axis=0) > 0  # this program finished its tile (split K: only one does)
+            _tree_sum(part, done, wsn_ptr, tp_ptr, tc_ptr, M, RN_PAD, BM, GROUP, GROUPS)
+        else:  # the shares meet by atomic adds in the zeroed workspace, in whatever order the programs finish
+            part = tl.dot(tl.where(tile, out, 0.0), tl.trans(a.to(tl.float32)), input_precision=PRECISION)
+            tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None],
+                          sem="relaxed")  # fmt: skip
+
+
+@triton.jit
+def _tree_sum(part, done, ws_ptr, tp_ptr, tc_ptr, M, RN_PAD: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+              GROUPS: tl.constexpr):  # fmt: skip
+    """The sum over a row block's column tiles (program_id(1)) of their shares `part` [BM, RN_PAD], in a fixed order
+    whatever the order in which the programs finish, stored into ws [M, RN_PAD] by the last to finish. done: this
+    program holds its tile's share (a split-K program that did not finish the tile holds none).
+
+    Two levels, so that no program reads every share: each tile's share goes to its own slot; the last of each GROUP
+    consecutive tiles to arrive adds its group's slots in tile order into the group's slot; the last group to arrive
+    adds the GROUPS group sums in group order. The sum is ((t0 + ... + t[GROUP-1]) + (t[GROUP] + ...) + ...), each
+    parenthesis from zero; the last program reads GROUP + GROUPS slots (about 2 sqrt(tiles), `tree_group`).
+    tp: fp32 slots [row blocks, tiles + GROUPS, BM, RN_PAD] (rows of the block only); tc: int32 counts [row blocks,
+    GROUPS + 1], zero between launches (each count's last arrival resets it)."""
+    block, tile, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    SLOT: tl.constexpr = BM * RN_PAD
+    lanes = tl.arange(0, BM)[:, None]
+    cells = lanes * RN_PAD + tl.arange(0, RN_PAD)[None, :]
+    live = M - block * BM  # rows of this block
+    slots = tp_ptr + block.to(tl.int64) * (tiles + GROUPS) * SLOT
+    counts = tc_ptr + block * (GROUPS + 1)
+    if done:
+        tl.store(slots + tile * SLOT + cells, part, mask=lanes < live)
+        tl.debug_barrier()  # every thread's share is out before the count is released
+        group = tile // GROUP
+        first = group * GROUP
+        members = tl.minimum(GROUP, tiles - first)  # (the last group may be short)
+        if tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu") == members - 1:
+            acc = tl.zeros((BM, RN_PAD), dtype=tl.float32)
+            for i in tl.static_range(GROUP):  # in tile order; .cg reads the other SMs' stores from L2
+                rows = tl.where(members > i, live, 0)
+                acc += tl.load(slots + (first + i) * SLOT + cells, mask=lanes < rows, other=0.0, cache_modifier=".cg")
+            tl.store(counts + group, 0)
+            tl.store(slots + (tiles + group) * SLOT + cells, acc, mask=lanes < live)
+            tl.debug_barrier()  # the group's sum is out before the block's count is released
+            if tl.atomic_add(counts + GROUPS, 1, sem="acq_rel", scope="gpu") == GROUPS - 1:
+                acc = tl.zeros((BM, RN_PAD), dtype=tl.float32)
+                for j in tl.static_range(GROUPS):  # in group order
+                    acc += tl.load(slots + (tiles + j) * SLOT + cells, mask=lanes < live, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                tl.store(counts + GROUPS, 0)
+                tl.store(ws_ptr + block * SLOT + cells, acc, mask=lanes < live)
 
 
 @triton.jit
@@ -217,16 +271,41 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
     )  # fmt: skip
 
 
+def tree_group(tiles: int) -> int:
+    """Column tiles per first-level group of `_tree_sum`: the ceiling of sqrt(tiles), which makes the last program's
+    reads (group + tiles / group slots) fewest."""
+    return math.isqrt(max(tiles, 1) - 1) + 1
+
+
+def _tree_room(scratch, x, tiles, split, block_m, block_n, rank_pad):
+    """(slots, counts, GROUP, GROUPS) of `_tree_sum` for a launch of tiles = (row blocks, column tiles), placed in
+    `scratch` after the room of the same launch's split-K (`split_gemm`: slots [tiles, split, 2, BM, BN], counts
+    [tiles]; that take may have handed out the same buffers), or None when the scratch has no room (or is None)."""
+    if scratch is None:
+        return None
+    row_blocks, cols = tiles
+    group = tree_group(cols)
+    groups = triton.cdiv(cols, group)
+    used = (row_blocks * cols * split * 2 * block_m * block_n, row_blocks * cols) if split > 1 else (0, 0)
+    held = scratch.take(x.device, used[0] + row_blocks * (cols + groups) * block_m * rank_pad,
+                        used[1] + row_blocks * (groups + 1))  # fmt: skip
+    return None if held is None else (held[0][used[0] :], held[1][used[1] :], group, groups)
+
+
 def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, block_k=64, tf32=True, num_warps=4,
-            num_stages=3, next_shrink=None, block_m=0, per_sm=0, split_k=1, scratch=None) -> torch.Tensor:  # fmt: skip
+            num_stages=3, next_shrink=None, block_m=0, per_sm=0, split_k=1, scratch=None,
+            ordered=False) -> torch.Tensor:  # fmt: skip
     """out [M, N] = x W0ᵀ + b0 + LoRA0, or with pair=True silu(that) * (x W1ᵀ + b1 + LoRA1).
 
     weights (W0[, W1]) [N, K] contiguous and biases (or None) for the GEMM, or outputs (y0[, y1]) [M, N] contiguous
     precomputed base outputs; lora None or (workspace [G, M, R_PAD], (B0[, B1]), (s0[, s1])).
-    next_shrink: None or (A [R', N] contiguous, workspace [M, R'_PAD] zeroed fp32): also accumulate out · Aᵀ there,
-    the LoRA shrink of the projection that reads `out` next. block_m: rows per program (0 = up to 64 by the row
-    count); per_sm: spread the columns over about that many programs per SM (`tile_columns`); split_k: programs
-    that share each tile's K (`_split_gemm`; with the kernel's own GEMM and a `SplitScratch` only). Returns out."""
+    next_shrink: None or (A [R', N] contiguous, workspace [M, R'_PAD] fp32): also compute out · Aᵀ there, the LoRA
+    shrink of the projection that reads `out` next. Each column tile's share is added by atomics (the workspace must
+    be zeroed), or, `ordered`, in a fixed order (`_tree_sum`, in room of `scratch`; without room, after the launch by
+    `lora.shrink_(ordered=True)`), so that the result depends only on the inputs. block_m: rows per program (0 = up
+    to 64 by the row count); per_sm: spread the columns over about that many programs per SM (`tile_columns`);
+    split_k: programs that share each tile's K (`_split_gemm`; with the kernel's own GEMM and a `SplitScratch`
+    only). Returns out."""
     rows, features = x.shape
     gemm = weights is not None
     has_bias = gemm and biases is not None and biases[0] is not None
@@ -254,14 +333,19 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     tiles = (row_blocks, triton.cdiv(width, cols))
     split, partials, counts = split_args(split_k if gemm else 1, scratch, x, tiles[0] * tiles[1], block_m, block_n,
                                           block_k)  # fmt: skip
+    fuse_next = next_shrink is not None
+    tree = _tree_room(scratch, x, tiles, split, block_m, block_n, next_pad) if fuse_next and ordered else None
+    fuse_next = fuse_next and (tree is not None or not ordered)
+    tree_slots, tree_counts, group, groups = tree or (x, x, 1, 1)
     _proj_kernel[(*tiles, split)](
         x, x.stride(0), *two(w), *two(b), *two(y), workspace, *two(lora_bs), *two(scales), out, next_a, next_ws,
-        partials, counts, rows, width, features, rank, next_rank, cols, BM=block_m, BN=block_n, BK=block_k,
-        R_PAD=r_pad, PAIR=pair, SPLIT=split,
+        partials, counts, tree_slots, tree_counts, rows, width, features, rank, next_rank, cols, BM=block_m,
+        BN=block_n, BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split,
         GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
-        NEXT=next_shrink is not None, RN_PAD=next_pad, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(x.device),
+        NEXT=fuse_next, RN_PAD=next_pad, ORDERED=tree is not None, GROUP=group, GROUPS=groups,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(x.device),
     )  # fmt: skip
+    if next_shrink is not None and not fuse_next:  # ordered, and no room for the tree: deterministic all the same
+        shrink_(out, [next_a], next_ws.reshape(-1), tf32, ordered=True, scratch=scratch)
     return out
-
