@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimrl.rollout.kernels.gemm import SplitScratch
-from slimrl.rollout.kernels.lora import GroupedLoRA, can_fuse, lora_group_, padded_rank, shrink_
+from slimrl.rollout.kernels.lora import GroupedLoRA, can_fuse, lora_group_
 from slimrl.rollout.model.reference import add_lora_
 from tests.rollout.helpers import KERNEL_DEVICE
 from tests.tolerances import TOLERANCES, assert_close
@@ -90,28 +89,3 @@ def test_grouped_lora_shares_one_workspace_and_falls_back_where_it_cannot_fuse()
     add_lora(x, items + odd)
     for (got, _), (want, _) in zip(items + odd, expected, strict=True):
         assert_close(got, want, "fp32_sum", name="output")
-
-
-@pytest.mark.parametrize(("rows", "features", "rank", "group"), [(5, 1000, 8, 3), (64, 1536, 64, 1), (3, 70, 16, 2)])
-def test_ordered_shrink_matches_the_reference_and_leaves_the_counts_at_zero(rows, features, rank, group):
-    """Deterministic shrink: K split over several programs whose partial sums the tile's last program adds in split
-    order (odd sizes: partial K steps, rows and ranks that do not fill a tile)."""
-
-    g = torch.Generator(device=KERNEL_DEVICE).manual_seed(rows)
-    x = torch.randn(rows, features, generator=g, device=KERNEL_DEVICE)
-    lora_as = [torch.randn(rank, features, generator=g, device=KERNEL_DEVICE) * features**-0.5 for _ in range(group)]
-    scratch = SplitScratch()
-    ordered = shrink_(x, lora_as, tf32=False, ordered=True, scratch=scratch).clone()
-    again = shrink_(x, lora_as, tf32=False, ordered=True, scratch=scratch)
-    atomic = shrink_(x, lora_as, tf32=False)
-    expected = torch.stack([x @ a.t() for a in lora_as])  # [G, M, R]
-    r_pad = padded_rank(rank)
-    assert ordered.shape == (group, rows, r_pad)
-    assert_close(ordered[..., :rank], expected, "fp32_sum", name="ordered shrink")
-    assert torch.equal(ordered[..., rank:], torch.zeros_like(ordered[..., rank:]))
-    assert torch.equal(ordered, again), "the ordered shrink must give the same bits every time"
-    assert_close(atomic, ordered, "fp32_sum", name="atomic vs ordered shrink")
-    (slots, counts), = scratch._held.values()
-    assert int(counts.abs().sum()) == 0, "every tile's last program resets its count"
-    assert slots.numel() > 0, "the launch did split K (else this test tests nothing)"
-

@@ -33,6 +33,7 @@ Import this module only where Triton may be used: it imports triton at import ti
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -123,3 +124,51 @@ def tile_columns(width: int, row_blocks: int, block_n: int, per_sm: int, device:
         return block_n
     programs = max(1, per_sm * sm_count(device) // row_blocks)
     return max(1, min(block_n, triton.cdiv(width, programs)))
+
+
+# -- sums in a fixed order -------------------------------------------------------------------------------------------
+
+
+def tree_group(members: int) -> int:
+    """Shares per first-level group of `fixed_order_sum`: the ceiling of sqrt(members), which makes the last
+    program's reads (group + members / group slots) fewest."""
+    return math.isqrt(max(members, 1) - 1) + 1
+
+
+@triton.jit
+def fixed_order_sum(part, done, member, members, live, slots, counts, out_ptrs, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+    """Adds the shares `part` [BM, BN] fp32 of one sum, one per program (`member` of `members`), in a fixed order
+    whatever the order in which the programs finish, and stores the sum at out_ptrs [BM, BN] (its first `live` rows)
+    from the last program to finish. done: this program holds a share (every member must, once per launch).
+
+    Two levels, so that no program reads every share: each share goes to its own slot; the last of each GROUP
+    consecutive members to arrive adds its group's slots in member order into the group's slot; the last group to
+    arrive adds the GROUPS group sums in group order. The sum is ((s0 + ... + s[GROUP-1]) + (s[GROUP] + ...) + ...),
+    each parenthesis from zero; the last program reads GROUP + GROUPS slots (about 2 sqrt(members), `tree_group`).
+    slots: fp32 [members + GROUPS, BM, BN] of this sum alone; counts: int32 [GROUPS + 1], zero between launches (each
+    count's last arrival resets it). Rows past `live` are neither stored nor read."""
+    SLOT: tl.constexpr = BM * BN
+    lanes = tl.arange(0, BM)[:, None]
+    cells = lanes * BN + tl.arange(0, BN)[None, :]
+    if done:
+        tl.store(slots + member * SLOT + cells, part, mask=lanes < live)
+        tl.debug_barrier()  # every thread's share is out before the count is released
+        group = member // GROUP
+        first = group * GROUP
+        size = tl.minimum(GROUP, members - first)  # (the last group may be short)
+        if tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu") == size - 1:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for i in tl.static_range(GROUP):  # in member order; .cg reads the other SMs' stores from L2
+                rows = tl.where(size > i, live, 0)  # (an int bound: the interpreter mishandles bool & bool masks)
+                acc += tl.load(slots + (first + i) * SLOT + cells, mask=lanes < rows, other=0.0, cache_modifier=".cg")
+            tl.store(counts + group, 0)
+            tl.store(slots + (members + group) * SLOT + cells, acc, mask=lanes < live)
+            tl.debug_barrier()  # the group's sum is out before the last count is released
+            if tl.atomic_add(counts + GROUPS, 1, sem="acq_rel", scope="gpu") == GROUPS - 1:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for j in tl.static_range(GROUPS):  # in group order
+                    acc += tl.load(slots + (members + j) * SLOT + cells, mask=lanes < live, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                tl.store(counts + GROUPS, 0)
+                tl.store(out_ptrs, acc, mask=lanes < live)

@@ -7,8 +7,9 @@ live from the model:
 
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
-  in the last bits of fp32), or, `ordered`, in scratch slots that the tile's last program adds in split order (the
-  result then depends only on the inputs; see `decode_kernels._split_gemm` for the same scheme);
+  in the last bits of fp32), or, `ordered`, in scratch slots added in a fixed order by the last programs to finish
+  (`common.fixed_order_sum`: groups of about sqrt(splits) splits, then the groups; the result then depends only on
+  the inputs);
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import runs_here
-from slimrl.rollout.kernels.common import enter
+from slimrl.rollout.kernels.common import enter, fixed_order_sum, tree_group
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.model.reference import add_lora_
 
@@ -54,8 +55,8 @@ def can_fuse(x: torch.Tensor, items) -> bool:
 @triton.jit
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sp_ptr, cnt_ptr, M, K, R, stride_xm, k_per_split,
                    R_BLOCKS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
-                   PDL: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr, GROUP: tl.constexpr,
+                   GROUPS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1) // R_BLOCKS
@@ -81,34 +82,16 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sp_ptr, cnt_ptr, M, K,
         a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :], mask=r_ok & k_ok, other=0.0)
         x = x.to(a.dtype).to(tl.float32)  # peft casts the input to the adapter's dtype
         acc += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
-    # the K splits of one (rows, rank) tile meet here; the workspace was zeroed before the launch
+    # the K splits of one (rows, rank) tile meet here
     ws = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    if ORDERED:
-        acc, last = _ordered_sum(acc, sp_ptr, cnt_ptr, split, BLOCK_M, BLOCK_R)
-        if last:
-            tl.store(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD))
-    else:
+    if ORDERED:  # in a fixed order: sp holds [tiles, splits + GROUPS, BLOCK_M, BLOCK_R], cnt [tiles, GROUPS + 1]
+        tile = pid_m * tl.num_programs(1) + tl.program_id(1)
+        splits = tl.num_programs(2)
+        slots = sp_ptr + tile.to(tl.int64) * (splits + GROUPS) * (BLOCK_M * BLOCK_R)
+        fixed_order_sum(acc, True, split, splits, M - pid_m * BLOCK_M, slots, cnt_ptr + tile * (GROUPS + 1), ws,
+                        BLOCK_M, BLOCK_R, GROUP, GROUPS)  # fmt: skip
+    else:  # the workspace was zeroed before the launch
         tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
-
-
-@triton.jit
-def _ordered_sum(acc, sp_ptr, cnt_ptr, split, BM: tl.constexpr, BN: tl.constexpr):
-    """The sum of the tile's partial sums over the K splits (program_id(2)), added in split order by the last program
-    to arrive, and whether this program is that one. sp: fp32 slots [tiles, splits, BM, BN]; cnt: int32 [tiles],
-    zero between launches (the last program resets its tile's)."""
-    splits = tl.num_programs(2)
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    slots = sp_ptr + tile.to(tl.int64) * splits * (BM * BN)
-    tl.store(slots + split * (BM * BN) + cells, acc)
-    tl.debug_barrier()  # every thread's partial sums are out before the count is released
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
-    if last:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(0, splits):  # in split order; .cg reads the other SMs' stores from L2
-            acc += tl.load(slots + s * (BM * BN) + cells, cache_modifier=".cg")
-        tl.store(cnt_ptr + tile, 0)
-    return acc, last
 
 
 @triton.jit
@@ -172,8 +155,10 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     """lora_A(x) for up to three adapters at once: returns the fp32 workspace [G, M, R_PAD] holding x · A_iᵀ
     (zero past the rank). workspace: zeroed fp32 of at least G * M * padded_rank(r) elements, or None.
 
-    ordered: the result depends only on the inputs (K splits added in order in the slots of `scratch`, a
-    `decode_kernels.SplitScratch`; without one, or without room in it during a capture, K is not split)."""
+    ordered: the result depends only on the inputs (K splits added in a fixed order, `common.fixed_order_sum`, in
+    the slots of `scratch`, a `gemm.SplitScratch`; without one, or without room in it during a capture, K is not
+    split). The order: splits s0, s1, ... in groups of g = `tree_group(splits)`, ((s0 + ... + s[g-1]) + (s[g] + ...)
+    + ...), each parenthesis summed from zero in fp32."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
@@ -192,18 +177,21 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
     slots = counts = workspace  # placeholders for the pointers an unordered launch does not use
+    sizes = (1, 1)  # (GROUP, GROUPS) of the ordered sum; one constant pair for the other launches
     if ordered and splits > 1:
         tiles = m_tiles * group * r_blocks
-        held = None if scratch is None else scratch.take(x.device, tiles * splits * block_m * block_r, tiles)
+        sizes = (tree_group(splits), triton.cdiv(splits, tree_group(splits)))
+        held = None if scratch is None else scratch.take(x.device, tiles * (splits + sizes[1]) * block_m * block_r,
+                                                         tiles * (sizes[1] + 1))  # fmt: skip
         if held is None:
-            splits, k_per_split = 1, triton.cdiv(features, block_k) * block_k
+            splits, k_per_split, sizes = 1, triton.cdiv(features, block_k) * block_k, (1, 1)
         else:
             slots, counts = held
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, workspace, slots, counts, rows, features, rank, x.stride(0), k_per_split,
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        ORDERED=ordered and splits > 1, **launch_options(x.device),
+        ORDERED=ordered and splits > 1, GROUP=sizes[0], GROUPS=sizes[1], **launch_options(x.device),
     )  # fmt: skip
     return workspace[: group * rows * r_pad].view(group, rows, r_pad)
 

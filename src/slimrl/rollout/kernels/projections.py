@@ -23,15 +23,13 @@ Import this module only where Triton may be used: it imports triton at import ti
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import interpreting
 from slimrl.rollout.kernels.common import block_m as rows_per_program
-from slimrl.rollout.kernels.common import enter, precision, round_to, tile_columns
+from slimrl.rollout.kernels.common import enter, fixed_order_sum, precision, round_to, tile_columns, tree_group
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
 from slimrl.rollout.kernels.lora import shrink_
@@ -86,44 +84,16 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
 @triton.jit
 def _tree_sum(part, done, ws_ptr, tp_ptr, tc_ptr, M, RN_PAD: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
               GROUPS: tl.constexpr):  # fmt: skip
-    """The sum over a row block's column tiles (program_id(1)) of their shares `part` [BM, RN_PAD], in a fixed order
-    whatever the order in which the programs finish, stored into ws [M, RN_PAD] by the last to finish. done: this
-    program holds its tile's share (a split-K program that did not finish the tile holds none).
-
-    Two levels, so that no program reads every share: each tile's share goes to its own slot; the last of each GROUP
-    consecutive tiles to arrive adds its group's slots in tile order into the group's slot; the last group to arrive
-    adds the GROUPS group sums in group order. The sum is ((t0 + ... + t[GROUP-1]) + (t[GROUP] + ...) + ...), each
-    parenthesis from zero; the last program reads GROUP + GROUPS slots (about 2 sqrt(tiles), `tree_group`).
-    tp: fp32 slots [row blocks, tiles + GROUPS, BM, RN_PAD] (rows of the block only); tc: int32 counts [row blocks,
-    GROUPS + 1], zero between launches (each count's last arrival resets it)."""
-    block, tile, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    SLOT: tl.constexpr = BM * RN_PAD
-    lanes = tl.arange(0, BM)[:, None]
-    cells = lanes * RN_PAD + tl.arange(0, RN_PAD)[None, :]
-    live = M - block * BM  # rows of this block
-    slots = tp_ptr + block.to(tl.int64) * (tiles + GROUPS) * SLOT
-    counts = tc_ptr + block * (GROUPS + 1)
-    if done:
-        tl.store(slots + tile * SLOT + cells, part, mask=lanes < live)
-        tl.debug_barrier()  # every thread's share is out before the count is released
-        group = tile // GROUP
-        first = group * GROUP
-        members = tl.minimum(GROUP, tiles - first)  # (the last group may be short)
-        if tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu") == members - 1:
-            acc = tl.zeros((BM, RN_PAD), dtype=tl.float32)
-            for i in tl.static_range(GROUP):  # in tile order; .cg reads the other SMs' stores from L2
-                rows = tl.where(members > i, live, 0)
-                acc += tl.load(slots + (first + i) * SLOT + cells, mask=lanes < rows, other=0.0, cache_modifier=".cg")
-            tl.store(counts + group, 0)
-            tl.store(slots + (tiles + group) * SLOT + cells, acc, mask=lanes < live)
-            tl.debug_barrier()  # the group's sum is out before the block's count is released
-            if tl.atomic_add(counts + GROUPS, 1, sem="acq_rel", scope="gpu") == GROUPS - 1:
-                acc = tl.zeros((BM, RN_PAD), dtype=tl.float32)
-                for j in tl.static_range(GROUPS):  # in group order
-                    acc += tl.load(slots + (tiles + j) * SLOT + cells, mask=lanes < live, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                tl.store(counts + GROUPS, 0)
-                tl.store(ws_ptr + block * SLOT + cells, acc, mask=lanes < live)
+    """The sum over a row block's column tiles (program_id(1)) of their shares `part` [BM, RN_PAD], added in a fixed
+    order (`common.fixed_order_sum`, groups of GROUP tiles) and stored into ws [M, RN_PAD] by the last to finish.
+    done: this program holds its tile's share (a split-K program that did not finish the tile holds none).
+    tp: fp32 slots [row blocks, tiles + GROUPS, BM, RN_PAD]; tc: int32 counts [row blocks, GROUPS + 1], zero
+    between launches."""
+    block, tiles = tl.program_id(0), tl.num_programs(1)
+    cells = tl.arange(0, BM)[:, None] * RN_PAD + tl.arange(0, RN_PAD)[None, :]
+    slots = tp_ptr + block.to(tl.int64) * (tiles + GROUPS) * (BM * RN_PAD)
+    fixed_order_sum(part, done, tl.program_id(1), tiles, M - block * BM, slots, tc_ptr + block * (GROUPS + 1),
+                    ws_ptr + block * (BM * RN_PAD) + cells, BM, RN_PAD, GROUP, GROUPS)  # fmt: skip
 
 
 @triton.jit
@@ -269,12 +239,6 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
         SLICE=slice_cols, UNIT=table_unit(q_out.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages,
         **launch_options(x.device),
     )  # fmt: skip
-
-
-def tree_group(tiles: int) -> int:
-    """Column tiles per first-level group of `_tree_sum`: the ceiling of sqrt(tiles), which makes the last program's
-    reads (group + tiles / group slots) fewest."""
-    return math.isqrt(max(tiles, 1) - 1) + 1
 
 
 def _tree_room(scratch, x, tiles, split, block_m, block_n, rank_pad):
