@@ -92,7 +92,11 @@ def test_version_and_help(capsys):
     [(["--num-generations", "1"], "--num-generations must be at least 2"), (["--steps", "0"], "--steps must be"),
      (["--eval-size", "1000"], "use at most"), (["--learning-rate", "0"], "--learning-rate must be positive"),
      (["--async-generation"], "--async-generation overlaps"), (["--load-in-4bit"], "Drop --load-in-4bit"),
-     (["--algorithm", "ppo", "--generation-device", "cpu"], "--generation-device is for grpo and rloo")],
+     (["--algorithm", "ppo", "--generation-device", "cpu"], "--generation-device is for grpo and rloo"),
+     (["--algorithm", "distillation", "--generation-device", "cpu"], "--generation-device is for grpo and rloo"),
+     (["--teacher-steps", "0"], "--teacher-steps must be at least 1"),
+     (["--teacher-adapter", "outputs/demo/adapter"], "use it with --algorithm distillation"),
+     (["--algorithm", "distillation", "--teacher-adapter", "no/such/dir"], "holds no adapter_config.json")],
 )  # fmt: skip
 def test_invalid_demo_settings_exit_with_a_message(flags, message, capsys):
     assert main(["demo", "--model", "tiny", *flags]) == 2

@@ -1,4 +1,5 @@
-"""The demo's parts: settings checks, greedy evaluation, the per-step line, the plot."""
+"""The demo's parts: settings checks, greedy evaluation, the per-step line, the plot; distillation's teacher and a
+tiny distillation run."""
 
 import json
 import os
@@ -6,13 +7,18 @@ import os
 import pytest
 import torch
 
+from slimrl.cli import main
 from slimrl.cli.demo import DemoSettings, evaluate, nonfinite_skipped_steps, resolve_device, set_cpu_threads, write_json
-from slimrl.cli.demo_report import demo_logs, moving_average, plot_history, step_line
+from slimrl.cli.demo_algorithms import correct_replies, distillation_teacher
+from slimrl.cli.demo_report import accuracy_line, demo_logs, moving_average, plot_history, step_line
 from slimrl.data import arithmetic_dataset
+from slimrl.rewards import exact_answer_reward, format_reward
+from tests.test_cli import TINY_DEMO
 
 
 def test_default_settings_are_valid_and_bad_ones_name_the_flag():
     DemoSettings().validate()
+    DemoSettings(algorithm="distillation").validate()
     with pytest.raises(ValueError, match="--max-completion-length must be at least 1"):
         DemoSettings(max_completion_length=0).validate()
     with pytest.raises(ValueError, match="--difficulty must be one of easy, medium, hard"):
@@ -61,6 +67,9 @@ def test_step_line_shows_reward_each_reward_function_batch_accuracy_length_loss_
         "step  12/50  reward 1.250  exact_answer 0.750  format 0.500  batch acc  75%  len  9.6  loss +0.0123  5.1s"
     )
     assert "nan" in step_line(1, 1, {"reward": 0.0})  # missing metrics print as nan, not a KeyError
+    # distillation logs no reward: the student's entropy in its place, the loss being the divergence to the teacher
+    distillation = {"loss": 0.25, "entropy": 1.5, "completions/mean_length": 9.6, "step_time": 5.06}
+    assert step_line(3, 50, distillation) == "step   3/50  entropy 1.500  len  9.6  loss +0.2500  5.1s"
 
 
 def test_moving_average_averages_only_the_steps_so_far():
@@ -137,5 +146,56 @@ def test_ppo_logs_take_the_names_grpo_and_rloo_log():
                                "objective/kl": 0.1, "reward": 1.25}  # fmt: skip
     grpo = {"loss": 0.5, "reward": 1.0, "rewards/exact_answer_reward/mean": 0.5}
     assert demo_logs(grpo) is grpo  # GRPO's and RLOO's logs as they are
-    with pytest.raises(ValueError, match="--algorithm must be one of grpo, rloo, ppo"):
+    with pytest.raises(ValueError, match="--algorithm must be one of grpo, rloo, ppo, distillation"):
         DemoSettings(algorithm="dpo").validate()
+
+
+def test_the_teachers_sft_rows_are_the_demos_training_prompts_with_correct_replies_in_format():
+    rows = correct_replies(6, seed=3)
+    assert rows["prompt"] == arithmetic_dataset(6, seed=3, split="train")["prompt"]  # the same problems and prompts
+    replies = [completion[-1]["content"] for completion in rows["completion"]]
+    answers = arithmetic_dataset(6, seed=3, split="train")["answer"]
+    assert exact_answer_reward(replies, answers) == [1.0] * 6 and format_reward(replies) == [1.0] * 6
+    assert all(completion[-1]["role"] == "assistant" for completion in rows["completion"])
+
+
+def test_a_teacher_from_an_adapter_is_the_base_with_that_adapter_merged_and_frozen(tmp_path, tokenizer):
+    from peft import PeftModel
+
+    from slimrl import FastLanguageModel
+    from slimrl.testing import tiny_model
+
+    trained = FastLanguageModel.get_peft_model(tiny_model("llama"), r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    with torch.no_grad():  # a trained adapter: LoRA's B starts at zero, which would leave the base unchanged
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    trained.save_pretrained(tmp_path / "adapter")
+    teacher = distillation_teacher(tiny_model("llama"), tokenizer, tmp_path, "cpu", adapter=str(tmp_path / "adapter"))
+    ids = torch.tensor([[5, 40, 77, 123, 9]])
+    with torch.no_grad():
+        expected, base = trained.eval()(ids).logits, tiny_model("llama")(ids).logits
+        logits = teacher(ids).logits
+    assert torch.allclose(logits, expected, atol=1e-5) and not torch.allclose(logits, base, atol=1e-3)
+    assert not isinstance(teacher, PeftModel) and not teacher.training
+    assert not any(param.requires_grad for param in teacher.parameters())
+
+
+def test_distillation_demo_on_a_tiny_model_distils_from_its_teacher_and_reports_the_divergence(tmp_path, capsys):
+    out = tmp_path / "distillation"
+    assert main([*TINY_DEMO, "--algorithm", "distillation", "--teacher-steps", "1", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["settings"]["teacher_steps"] == 1
+    assert "teacher: tiny + 1 SFT steps on correct answers" in printed
+    assert accuracy_line("teacher:", metrics["teacher_accuracy"]) in printed
+    assert {metrics["teacher_accuracy"]["accuracy"] * 4} <= {0.0, 1.0, 2.0, 3.0, 4.0}  # k of 4 problems
+    step_lines = [line for line in printed.splitlines() if "/2  entropy" in line]
+    assert len(step_lines) == 2 and not any("nan" in line for line in step_lines)
+    assert [entry["step"] for entry in metrics["history"]] == [1, 2]
+    for entry in metrics["history"]:  # the divergence to a teacher that differs from the student, and the timings
+        assert entry["loss"] > 0 and entry["entropy"] > 0 and entry["completions/mean_length"] > 0
+        assert entry["generation_s"] > 0 and entry["reward_s"] == 0 and entry["training_s"] > 0
+    assert "mean divergence to the teacher (loss), first 5 steps" in printed
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "reward.png").is_file()
+    assert not (out / "trainer").exists()  # the teacher's and the student's empty TRL output dir removed

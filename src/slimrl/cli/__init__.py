@@ -11,6 +11,8 @@ EPILOG = """examples:
   slimrl demo                          GRPO on the embedded SmolLM2-135M-Instruct (about 15 minutes on 2 CPU cores)
   slimrl demo --steps 100 --device cuda --output-dir runs/demo
   slimrl demo --algorithm ppo          PPO (value head, GAE, clipped losses) on the same task; or --algorithm rloo
+  slimrl demo --algorithm distillation SmolLM2 + LoRA learns from a teacher: SmolLM2 after 12 SFT steps on correct
+                                       answers, or --teacher-adapter outputs/demo/adapter (a GRPO run's, merged)
 
 exit status of demo: 0 done, 1 training stopped on a non-finite loss or gradient (metrics.json says where), 2 bad
 settings.
@@ -18,10 +20,6 @@ settings.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slimrl.cli.demo import ALGORITHMS, DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
-    from slimrl.data import DIFFICULTIES
-
-    defaults = DemoSettings()
     parser = argparse.ArgumentParser(
         prog="slimrl",
         description="Memory-lean, fast RL fine-tuning of language models as a drop-in for TRL.",
@@ -33,14 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="GRPO teaches SmolLM2-135M-Instruct arithmetic: accuracy before/after, adapter, metrics, reward plot",
-        description="GRPO with slimrl's trainer teaches a small instruct model to answer arithmetic questions. Prints "
-        "held-out accuracy before and after training and a line of metrics per step; writes the LoRA adapter, "
-        "metrics.json and reward.png to --output-dir.",
+        description="GRPO (or RLOO, PPO, on-policy distillation) with slimrl's trainer teaches a small instruct model "
+        "to answer arithmetic questions. Prints held-out accuracy before and after training and a line of metrics "
+        "per step; writes the LoRA adapter, metrics.json and reward.png to --output-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_demo_arguments(demo)
+    return parser
+
+
+def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    from slimrl.cli.demo import ALGORITHMS, DEVICES, GENERATION_BACKENDS, ON_NONFINITE, DemoSettings
+    from slimrl.data import DIFFICULTIES
+
+    defaults = DemoSettings()
     demo.add_argument("--algorithm", default=defaults.algorithm, choices=ALGORITHMS,
                       help="grpo; rloo (leave-one-out baseline); ppo (value head, GAE, one completion per problem, "
-                      "2 optimizer steps per rollout)")  # fmt: skip
+                      "2 optimizer steps per rollout); distillation (one completion per problem, sampled by the "
+                      "student, which learns the teacher's next-token distribution on it: reverse KL)")  # fmt: skip
     demo.add_argument("--model", default=defaults.model,
                       help="the embedded model's name, a model directory or a .gguf file")  # fmt: skip
     demo.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
@@ -69,13 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--gradient-checkpointing", action="store_true",
                       help="checkpoint the decoder layers (on CUDA: slimrl's offloaded checkpoints, the MLP in tiles), "
                       "as a long-context run trains; the 135M model does not need it")  # fmt: skip
+    demo.add_argument("--teacher-steps", type=int, default=defaults.teacher_steps,
+                      help="distillation: the teacher is the model after this many SFT steps (8 correct answers "
+                      "each) on a LoRA, merged")  # fmt: skip
+    demo.add_argument("--teacher-adapter", default=defaults.teacher_adapter,
+                      help="distillation: the teacher is the model with this saved LoRA adapter merged (e.g. "
+                      "outputs/demo/adapter from a GRPO run) instead of --teacher-steps of SFT")  # fmt: skip
     demo.add_argument(
         "--on-nonfinite",
         default=defaults.on_nonfinite,
         choices=ON_NONFINITE,
         help="a step with a NaN/inf loss or gradient: raise (stop, evaluate, save, exit 1) or skip it",
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

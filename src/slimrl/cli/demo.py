@@ -1,9 +1,9 @@
-"""The demo: slimrl's GRPO (or RLOO, or PPO) teaches SmolLM2-135M-Instruct to answer arithmetic in a fixed format.
+"""The demo: slimrl's GRPO (or RLOO, or PPO) teaches SmolLM2-135M-Instruct to answer arithmetic in a fixed format;
+or, with distillation, SmolLM2 learns it from a teacher built from SmolLM2 (demo_algorithms.py says how).
 
 It measures held-out accuracy before and after, prints a line of metrics per step, and saves the adapter, a metrics
-JSON and a plot of reward and accuracy over steps. Every algorithm sees the same problems, rewards and completions
-per step: GRPO and RLOO sample `num_generations` completions of `prompts_per_step` problems, PPO one completion of
-each of `num_generations x prompts_per_step` problems (it needs no group: its value head is the baseline).
+JSON and a plot of reward (distillation: divergence to the teacher) and accuracy over steps. Every algorithm sees the
+same problems and as many completions per step (demo_algorithms.py: each algorithm's trainer and settings).
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ from pathlib import Path
 
 import torch
 
+from slimrl.cli.demo_algorithms import (
+    ALGORITHMS,
+    DISTILLATION_PHASES,
+    distillation_teacher,
+    grpo_config_kwargs,
+    ppo_config_kwargs,
+    problems_per_step,
+    trainer_and_config,
+)
 from slimrl.cli.demo_report import accuracy_line, plot_history, print_summary, progress_callback, quiet, record_run
 from slimrl.data import DIFFICULTIES, arithmetic_dataset, split_size
 from slimrl.rewards import exact_answer_reward, extract_answer, format_reward, is_in_format, normalise_number
@@ -26,7 +35,6 @@ TINY_MODEL = "tiny"  # a 2-layer model built from a config, for the CLI's own te
 DEVICES = ("auto", "cpu", "cuda")
 GENERATION_BACKENDS = ("auto", "engine", "transformers")  # GRPOConfig.generation_backend, without vLLM
 ON_NONFINITE = ("raise", "skip")  # GRPOConfig.on_nonfinite
-ALGORITHMS = ("grpo", "rloo", "ppo")
 
 
 @dataclass
@@ -34,7 +42,7 @@ class DemoSettings:
     """The demo's settings; the defaults finish in about 15 minutes on 2 CPU cores (872 s measured). `slimrl demo
     --help` says what each one means."""
 
-    algorithm: str = "grpo"  # "grpo" | "rloo" | "ppo"
+    algorithm: str = "grpo"  # "grpo" | "rloo" | "ppo" | "distillation"
     model: str = "SmolLM2-135M-Instruct"
     steps: int = 50
     output_dir: str = "outputs/demo"
@@ -55,10 +63,14 @@ class DemoSettings:
     # the trainer's gradient checkpointing (on CUDA: slimrl's offloaded checkpoints, MLP in tiles); a 135M model does
     # not need it, but it runs the training step as a long-context run would
     gradient_checkpointing: bool = False
+    # distillation's teacher: the base with this LoRA adapter merged (a folder a demo run saved), else the base after
+    # teacher_steps SFT steps on correct answers to training problems
+    teacher_adapter: str | None = None
+    teacher_steps: int = 12
 
     def validate(self) -> None:
         """A ValueError naming the first bad setting and what to use instead."""
-        positive = ("steps", "prompts_per_step", "max_completion_length", "lora_rank", "eval_size")
+        positive = ("steps", "prompts_per_step", "max_completion_length", "lora_rank", "eval_size", "teacher_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
@@ -66,7 +78,8 @@ class DemoSettings:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}.")
         if self.num_generations < 2:
             raise ValueError(f"--num-generations must be at least 2 (GRPO and RLOO compare completions of a prompt "
-                             f"with each other; PPO takes this many prompts), got {self.num_generations}.")  # fmt: skip
+                             f"with each other; PPO and distillation take this many times the prompts), got "
+                             f"{self.num_generations}.")  # fmt: skip
         if not self.learning_rate > 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}.")
         if self.difficulty not in DIFFICULTIES:
@@ -79,16 +92,28 @@ class DemoSettings:
         if self.load_in_4bit and self.model == TINY_MODEL:
             raise ValueError("--load-in-4bit loads a real model's weights in 4 bits; the tiny model is built from a "
                              "config in full precision. Drop --load-in-4bit, or name a model.")  # fmt: skip
-        if self.generation_device is not None and self.algorithm == "ppo":
-            raise ValueError("--generation-device is for grpo and rloo (PPO generates in the training process); "
-                             "drop it or use --algorithm grpo.")  # fmt: skip
+        if self.generation_device is not None and self.algorithm not in ("grpo", "rloo"):
+            raise ValueError(f"--generation-device is for grpo and rloo (the demo's {self.algorithm} generates in the "
+                             "training process); drop it or use --algorithm grpo.")  # fmt: skip
         if self.async_generation and (self.generation_device is None or self.algorithm != "grpo"):
             raise ValueError("--async-generation overlaps GRPO's next rollout with this step's training on a rollout "
                              "device: use it with --algorithm grpo and --generation-device (e.g. cuda:1).")  # fmt: skip
+        self._validate_teacher()
         held_out = split_size(self.difficulty, "eval")
         if self.eval_size > held_out:
             raise ValueError(f"--eval-size {self.eval_size} is more than the {held_out} held-out {self.difficulty} "
                              f"problems; use at most {held_out} or --difficulty hard.")  # fmt: skip
+
+    def _validate_teacher(self) -> None:
+        if self.teacher_adapter is None:
+            return
+        if self.algorithm != "distillation":
+            raise ValueError(f"--teacher-adapter is distillation's teacher; use it with --algorithm distillation, or "
+                             f"drop it for {self.algorithm}.")  # fmt: skip
+        if not (Path(self.teacher_adapter) / "adapter_config.json").is_file():
+            raise ValueError(f"--teacher-adapter {self.teacher_adapter!r} holds no adapter_config.json; pass the "
+                             "folder of a saved LoRA adapter (a demo run saves one in <output-dir>/adapter), or drop "
+                             "it to build the teacher with --teacher-steps of SFT.")  # fmt: skip
 
 
 def resolve_device(requested: str) -> str:
@@ -101,7 +126,8 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def load_model(settings: DemoSettings, device: str):
+def load_model(settings: DemoSettings, device: str, lora: bool = True):
+    """(model, tokenizer) of `settings.model` on `device`, with a fresh LoRA adapter unless `lora` is False."""
     from slimrl import FastLanguageModel
 
     if settings.model == TINY_MODEL:
@@ -113,6 +139,8 @@ def load_model(settings: DemoSettings, device: str):
         model, tokenizer = FastLanguageModel.from_pretrained(
             settings.model, max_seq_length=512, dtype=dtype, device_map={"": device}, load_in_4bit=settings.load_in_4bit
         )
+    if not lora:
+        return model, tokenizer
     model = FastLanguageModel.get_peft_model(
         model,
         r=settings.lora_rank,
@@ -154,63 +182,6 @@ def set_cpu_threads() -> int:
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return torch.get_num_threads()
-
-
-def _common_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
-    """The settings every algorithm's config shares: one optimizer step per logged line, no checkpoints."""
-    return dict(
-        output_dir=str(output_dir),
-        max_steps=settings.steps,
-        gradient_accumulation_steps=1,
-        learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=settings.seed,
-        use_cpu=device == "cpu",
-        bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=settings.gradient_checkpointing,
-        disable_tqdm=True,
-        num_chunks="auto",
-        generation_backend=settings.generation_backend,
-        on_nonfinite=settings.on_nonfinite,
-    )
-
-
-def grpo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
-    """The demo's GRPOConfig settings (RLOO's are the same without GRPO's loss_type)."""
-    return dict(
-        _common_config_kwargs(settings, output_dir, device),
-        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
-        beta=0.0,  # no reference model: half the forward passes, and LoRA keeps the policy near the base anyway
-        loss_type="dapo",
-        temperature=1.0,
-        generation_device=settings.generation_device,
-        async_generation=settings.async_generation,
-    )
-
-
-def ppo_config_kwargs(settings: DemoSettings, output_dir: Path, device: str) -> dict:
-    """The demo's PPOConfig settings: a rollout of num_generations x prompts_per_step problems (as many completions
-    as a GRPO step), trained on for PPO_EPOCHS optimizer steps; value head on the policy, KL to the base model."""
-    return dict(
-        _common_config_kwargs(settings, output_dir, device),
-        per_device_train_batch_size=settings.num_generations * settings.prompts_per_step,
-        num_mini_batches=1,
-        num_ppo_epochs=PPO_EPOCHS,
-        response_length=settings.max_completion_length,
-        # at 1.0 the 135M model samples a correct answer to few problems; one completion each leaves little to learn
-        temperature=0.7,
-        kl_coef=0.02,
-        vf_coef=0.1,
-    )
-
-
-PPO_EPOCHS = 2  # optimizer steps per PPO rollout: --steps 50 is 25 rollouts
 
 
 def write_json(path: str | Path, data, indent: int = 2) -> None:
@@ -255,49 +226,43 @@ def _save_adapter(model, tokenizer, out: Path, summary: dict) -> str | None:
 
 
 def _build_trainer(settings: DemoSettings, model, tokenizer, train_set, out: Path, device: str, summary: dict,
-                   save, show: bool = True) -> tuple:  # fmt: skip
+                   save, show: bool = True, teacher=None) -> tuple:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback
 
     from slimrl.trainers.common.step_timer import StepTimer
 
     timer = StepTimer()
-    trainer_class, config_class, kwargs = _algorithm(settings, out / "trainer", device)
+    trainer_class, config_class, kwargs = trainer_and_config(settings, out / "trainer", device)
+    # distillation learns the teacher's next-token distribution; the other algorithms the arithmetic rewards
+    task = {"teacher_model": teacher} if teacher is not None else {"reward_funcs": [exact_answer_reward, format_reward]}
     trainer = trainer_class(
         model=model,
-        reward_funcs=[exact_answer_reward, format_reward],
         args=config_class(**kwargs),
         train_dataset=train_set,
         processing_class=tokenizer,
         callbacks=[progress_callback(settings.algorithm, settings.steps, summary["history"], timer, save, show)],
+        **task,
     )
+    if teacher is not None:
+        trainer.timed_phases = DISTILLATION_PHASES  # the step timer's phases (no reward phase)
     timer.attach(trainer)
     trainer.remove_callback(PrinterCallback)  # our callback prints a compact line per step instead of the raw dict
     return trainer, timer
 
 
-def _algorithm(settings: DemoSettings, output_dir: Path, device: str) -> tuple[type, type, dict]:
-    """The trainer class, its config class and the config's settings for `settings.algorithm`."""
-    if settings.algorithm == "ppo":
-        from slimrl.trainers.ppo.trainer import PPOConfig, PPOTrainer
-
-        return PPOTrainer, PPOConfig, ppo_config_kwargs(settings, output_dir, device)
-    kwargs = grpo_config_kwargs(settings, output_dir, device)
-    if settings.algorithm == "rloo":
-        from slimrl.trainers.rloo.trainer import RLOOConfig, RLOOTrainer
-
-        del kwargs["loss_type"]  # RLOO has one loss
-        return RLOOTrainer, RLOOConfig, kwargs
-    from slimrl.trainers.grpo.config import GRPOConfig
-    from slimrl.trainers.grpo.trainer import GRPOTrainer
-
-    return GRPOTrainer, GRPOConfig, kwargs
-
-
-def problems_per_step(settings: DemoSettings) -> float:
-    """Distinct training problems an optimizer step samples (a PPO rollout's spread over its PPO_EPOCHS steps)."""
-    if settings.algorithm == "ppo":
-        return settings.num_generations * settings.prompts_per_step / PPO_EPOCHS
-    return settings.prompts_per_step
+def _teacher(settings: DemoSettings, device: str, eval_set, summary: dict, say):
+    """Distillation's teacher (demo_algorithms.distillation_teacher), its held-out scores recorded and printed."""
+    base, tokenizer = load_model(settings, device, lora=False)
+    made = f"adapter {settings.teacher_adapter} merged" if settings.teacher_adapter else \
+        f"{settings.teacher_steps} SFT steps on correct answers"  # fmt: skip
+    say(f"teacher: {settings.model} + {made}")
+    teacher = distillation_teacher(base, tokenizer, Path(settings.output_dir) / "trainer", device,
+                                   adapter=settings.teacher_adapter, steps=settings.teacher_steps,
+                                   lora_rank=settings.lora_rank, seed=settings.seed,
+                                   difficulty=settings.difficulty)  # fmt: skip
+    summary["teacher_accuracy"] = evaluate(teacher, tokenizer, eval_set, settings.max_completion_length)
+    say(accuracy_line("teacher:", summary["teacher_accuracy"]))
+    return teacher.eval()  # evaluate hands a model back in training mode
 
 
 def demo_datasets(settings: DemoSettings) -> tuple:
@@ -312,7 +277,8 @@ def demo_datasets(settings: DemoSettings) -> tuple:
 
 
 def run_demo(settings: DemoSettings) -> dict:
-    """Evaluate, train with GRPO, evaluate again; save the adapter, metrics JSON and plot. Returns the metrics.
+    """Evaluate, train (GRPO, RLOO, PPO or distillation), evaluate again; save the adapter, metrics JSON and plot.
+    Returns the metrics (distillation's also hold the teacher's held-out scores, `teacher_accuracy`).
 
     metrics.json is rewritten after every step (`status` "training"), so a run cut short keeps its curve. A
     NonFiniteError during training (GRPOConfig on_nonfinite="raise") ends training early: it is recorded
@@ -347,9 +313,11 @@ def run_demo(settings: DemoSettings) -> dict:
     metrics_path = out / "metrics.json"
     summary = {"settings": asdict(settings), "device": device, "torch_threads": threads, "accuracy_before": before,
                "history": [], "status": "training", "nonfinite_error": None}  # fmt: skip
+    teacher = _teacher(settings, device, eval_set, summary, say) if settings.algorithm == "distillation" else None
     write(metrics_path, summary)  # rewritten after every step
     trainer, timer = _build_trainer(settings, model, tokenizer, train_set, out, device, summary,
-                                    save=lambda: write(metrics_path, summary), show=main_process)  # fmt: skip
+                                    save=lambda: write(metrics_path, summary), show=main_process,
+                                    teacher=teacher)  # fmt: skip
     train_seconds = _train(trainer, summary)
     record_run(trainer, timer, summary)
     if main_process and (out / "trainer").is_dir() and not any((out / "trainer").iterdir()):
@@ -372,6 +340,7 @@ def run_demo(settings: DemoSettings) -> dict:
 __all__ = [
     "ALGORITHMS",
     "demo_datasets",
+    "load_model",
     "DemoSettings",
     "evaluate",
     "grpo_config_kwargs",

@@ -1,5 +1,6 @@
 """What the demo shows while and after it trains: a line of metrics per step (the same names for GRPO, RLOO and
-PPO), a progress bar, the closing summary and the plot of reward and accuracy over the steps."""
+PPO; distillation, which has no reward, shows its divergence to the teacher), a progress bar, the closing summary and
+the plot of reward (or divergence) and accuracy over the steps."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ TIMINGS = ("generation_s", "reward_s", "training_s")  # the step timer's parts o
 
 def step_line(step: int, total_steps: int, logs: dict) -> str:
     """One line of a step's metrics from the trainer's logs: total reward, each reward function's mean, the share of
-    correct answers in the batch, completion length (tokens), loss and step time."""
+    correct answers in the batch, completion length (tokens), loss and step time. Logs without a reward
+    (distillation's, whose loss is the divergence to the teacher) show the student's entropy in place of the rewards."""
     nan = float("nan")
-    parts = [f"step {step:3d}/{total_steps}", f"reward {logs.get('reward', nan):.3f}"]
-    for key, value in logs.items():
-        if key.startswith("rewards/") and key.endswith("/mean"):
-            parts.append(f"{key.removeprefix('rewards/').removesuffix('/mean').removesuffix('_reward')} {value:.3f}")
-    parts.append(f"batch acc {logs.get('rewards/exact_answer_reward/mean', nan):4.0%}")
+    parts = [f"step {step:3d}/{total_steps}"]
+    if "reward" not in logs and "entropy" in logs:
+        parts.append(f"entropy {logs['entropy']:.3f}")
+    else:
+        parts.append(f"reward {logs.get('reward', nan):.3f}")
+        for key, value in logs.items():
+            if key.startswith("rewards/") and key.endswith("/mean"):
+                name = key.removeprefix("rewards/").removesuffix("/mean").removesuffix("_reward")
+                parts.append(f"{name} {value:.3f}")
+        parts.append(f"batch acc {logs.get('rewards/exact_answer_reward/mean', nan):4.0%}")
     parts.append(f"len {logs.get('completions/mean_length', nan):4.1f}")
     parts.append(f"loss {logs.get('loss', nan):+.4f}")
     parts.append(f"{logs.get('step_time', nan):.1f}s")
@@ -50,8 +57,8 @@ def progress_callback(algorithm: str, total_steps: int, history: list[dict], tim
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = demo_logs(logs or {})
-            if "reward" not in logs:
-                return  # the end-of-training summary, not a step
+            if "loss" not in logs:
+                return  # the end-of-training summary (its `train_loss`), not a step
             entry = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
             timed = timer.step(state.global_step) or {}
             if "step_time" not in logs and "step_s" in timed:  # PPO logs no step time: the timer's
@@ -74,8 +81,9 @@ def progress_callback(algorithm: str, total_steps: int, history: list[dict], tim
 
 def print_summary(summary: dict, adapter_dir, metrics_path: Path, plot_path: Path) -> None:
     history = summary["history"]
-    first, last = _mean_reward(history[:5]), _mean_reward(history[-5:])
-    print(f"mean reward, first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
+    key, name = headline(summary)
+    first, last = _mean(history[:5], key), _mean(history[-5:], key)
+    print(f"mean {name}, first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
     if summary["nonfinite_skipped_steps"]:
         print(f"optimizer steps skipped for a non-finite loss or gradient: {summary['nonfinite_skipped_steps']}")
     print(f"adapter: {adapter_dir or 'not saved (non-finite weights)'}\nmetrics: {metrics_path}\nplot:    {plot_path}")
@@ -83,13 +91,22 @@ def print_summary(summary: dict, adapter_dir, metrics_path: Path, plot_path: Pat
 
 
 
-def _mean_reward(entries: list[dict]) -> float:
-    return sum(e["reward"] for e in entries) / len(entries) if entries else float("nan")
+def headline(summary: dict) -> tuple[str, str]:
+    """(history key, name) of the run's main per-step figure: the reward, or distillation's loss (its divergence)."""
+    if summary["settings"].get("algorithm") == "distillation":
+        return "loss", "divergence to the teacher (loss)"
+    return "reward", "reward"
+
+
+def _mean(entries: list[dict], key: str) -> float:
+    return sum(e[key] for e in entries) / len(entries) if entries else float("nan")
 
 
 
 PLOTTED = (("reward", "total reward"), ("rewards/exact_answer_reward/mean", "correct answer (batch accuracy)"),
            ("rewards/format_reward/mean", "requested format"))  # fmt: skip
+# distillation's samples are not scored: its divergence to the teacher, and the student's entropy
+DISTILLATION_PLOTTED = (("loss", "divergence to the teacher (loss)"), ("entropy", "student entropy"))
 
 
 
@@ -109,8 +126,10 @@ def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
 
     history = summary["history"]
     steps = [h["step"] for h in history]
+    algorithm = summary["settings"].get("algorithm", "grpo")
+    plotted = DISTILLATION_PLOTTED if algorithm == "distillation" else PLOTTED
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (key, label), color in zip(PLOTTED, ("tab:blue", "tab:green", "tab:orange"), strict=True):
+    for (key, label), color in zip(plotted, ("tab:blue", "tab:green", "tab:orange"), strict=False):
         values = [h.get(key, float("nan")) for h in history]
         ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
         ax.plot(steps, moving_average(values, window), color=color, linewidth=2, label=f"{label}, {window}-step mean")
@@ -118,9 +137,9 @@ def plot_history(summary: dict, path: Path, window: int = 5) -> Path:
     last = steps[-1] if steps else 1
     ax.scatter([0, last], [before, after], marker="*", s=180, color="black", zorder=5,
                label=f"held-out accuracy: {before:.0%} before, {after:.0%} after")  # fmt: skip
-    algorithm = summary["settings"].get("algorithm", "grpo").upper()
+    algorithm = algorithm.upper()
     ax.set_xlabel(f"{algorithm} step")
-    ax.set_ylabel("reward / accuracy")
+    ax.set_ylabel("divergence / entropy / accuracy" if plotted is DISTILLATION_PLOTTED else "reward / accuracy")
     minutes = summary.get("total_seconds", 0) / 60
     ax.set_title(f"slimrl demo: {algorithm} on {summary['settings']['model']} ({summary['device']}, {minutes:.1f} min)")
     ax.grid(alpha=0.3)
@@ -158,5 +177,6 @@ def ranks_hold_the_same_weights(trainer) -> bool:
     return bool((gathered == gathered[:1]).all())
 
 
-__all__ = ["TIMINGS", "accuracy_line", "demo_logs", "moving_average", "plot_history", "print_summary",
-           "progress_callback", "quiet", "ranks_hold_the_same_weights", "record_run", "step_line"]
+__all__ = ["DISTILLATION_PLOTTED", "PLOTTED", "TIMINGS", "accuracy_line", "demo_logs", "headline", "moving_average",
+           "plot_history", "print_summary", "progress_callback", "quiet", "ranks_hold_the_same_weights", "record_run",
+           "step_line"]  # fmt: skip
