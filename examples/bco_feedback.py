@@ -22,6 +22,10 @@ replies are noise, all thumbs-down, so there is nothing to balance). Flags given
 
 `PatchFastRL("bco")` adds slimrl's BCOTrainer and BCOConfig to `trl` (TRL 1.16 removed its own); the rest is TRL's
 interface for unpaired feedback.
+
+Measured on this project's 2-core CPU machine, shared with other work (wall time of the whole command, the sampling
+and both evaluations included): 283 s, of which training 97 s; 16% of 384 replies thumbs-up (122 rows after
+balancing); held-out accuracy 42% -> 60%; reward margin 0.006 over the first quarter of the steps, 0.39 over the last.
 """
 
 from __future__ import annotations

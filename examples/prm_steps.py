@@ -8,7 +8,8 @@ from checking that line alone: is its result the true value of its own left side
 a two-class token-classification head (fresh) and a LoRA adapter; it learns to put the step's label on the newline
 after the step. It prints the held-out step accuracy (solutions built from problems never trained on) before and
 after training, beside the share of correct steps (what always answering "correct" scores), and saves the adapter
-and head. (Slips of 1 or 2 are harder: in a trial with those, 64 steps left the step accuracy at that share.)
+and head. (Smaller slips are harder: with results off by 1, 2 or 10, a trial of 64 steps left the step accuracy at
+that share.)
 
     python examples/prm_steps.py [--steps 96] [--output-dir outputs/prm]
     python examples/prm_steps.py --smoke   # seconds: checks that it runs (tests/test_examples.py)
@@ -19,6 +20,10 @@ Flags given beside it still apply.
 
 `PatchFastRL("prm")` adds slimrl's PRMTrainer and PRMConfig to `trl` (TRL 1.16 removed its own); the dataset format
 (prompt, completions = the steps, labels = one bool per step) is TRL's.
+
+Measured on this project's 2-core CPU machine, shared with other work (wall time of the whole command, both
+evaluations included): 296 s, of which training 239 s; held-out step accuracy 71% -> 83%, where 71% of the steps are
+correct; held-out loss 0.89 -> 0.39.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ problems. Flags given beside it still apply.
 
 `PatchFastRL("xpo")` adds slimrl's XPOTrainer and XPOConfig to `trl` (TRL 1.16 removed its own); the rest is TRL's
 online DPO interface.
+
+Measured on this project's 2-core CPU machine, shared with other work (wall time of the whole command, both
+evaluations included): 355 s, of which training 298 s; held-out accuracy 42% -> 56%; mean score of the policy's
+samples against the reference's 1.06 vs 0.72 over the first quarter of the steps, 1.31 vs 1.06 over the last.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def main(argv=None) -> dict:
     config = XPOConfig(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.pairs,
                        alpha=args.alpha, beta=args.beta, temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, max_length=256, learning_rate=args.learning_rate,
-                       lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no",
-                       bf16=cuda, use_cpu=not cuda, seed=args.seed, disable_tqdm=True)  # fmt: skip
+                       lr_scheduler_type="constant", gradient_checkpointing=False, logging_steps=1, report_to="none",
+                       save_strategy="no", bf16=cuda, use_cpu=not cuda, seed=args.seed, disable_tqdm=True)  # fmt: skip
     prompts = arithmetic_dataset(args.pairs * args.steps, seed=args.seed, split="train")  # with an `answer` column
     trainer = XPOTrainer(model=model, reward_funcs=[exact_answer_reward, format_reward], args=config,
                          train_dataset=prompts, processing_class=tokenizer)  # fmt: skip
