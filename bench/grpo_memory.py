@@ -7,6 +7,10 @@ With --beta, the reference log-probs come from the same model with the adapter d
 training phase by each trainer's own scoring pass, whose peak is reported too.
 
     python bench/grpo_memory.py --out $OUT 1024 4096 16384 32768 65536 131072 [--beta 0.04] [--skip-trl-above 32768]
+
+--unsloth-site DIR adds Unsloth as a third side in the same run (bench/unsloth_side.py, in a process of its own with
+DIR, where Unsloth and its TRL are installed, first on its path; ../shared/bench/anchors/README.md says which wheels).
+--model llama8b runs Llama-3.1-8B's shape instead of W1's (issue 34's row: `--model llama8b --trainers slimrl 20480`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,16 +27,19 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # a test loads this file by path
 import torch  # noqa: E402
-from common import W1_VOCAB, sync_time, w1_model  # noqa: E402
+from common import W1_VOCAB, model_for, sync_time, w1_model  # noqa: E402
 
 B, P = 8, 256
 CONTEXT = 140000  # the model's max_position_embeddings: room for 131072 completion tokens behind the prompt
 
 
-def build_model():
+def build_model(name: str = "w1"):
     """W1's model with its LoRA r=64 adapter (bench/common.py), initialised on the CPU and lora_A drawn without
     reseeding, as this benchmark always was (so loss and grad norm compare with the runs in docs/bench/w1_*.json),
-    then moved to the GPU."""
+    then moved to the GPU; another of bench/models.py's shapes is made on the GPU (an 8B model's fp32 host copy would
+    take minutes)."""
+    if name != "w1":
+        return model_for(name, device="cuda", context=CONTEXT)
     return w1_model(device="cpu", context=CONTEXT, reseed_adapter=False).cuda()
 
 
@@ -62,12 +71,12 @@ def build_trainer(kind: str, model, max_len: int, beta: float, variant: dict | N
     return trainer
 
 
-def make_inputs(length: int):
+def make_inputs(length: int, vocab: int = W1_VOCAB):
     g = torch.Generator(device="cuda").manual_seed(length)
     return {
-        "prompt_ids": torch.randint(10, W1_VOCAB, (B, P), device="cuda", generator=g),
+        "prompt_ids": torch.randint(10, vocab, (B, P), device="cuda", generator=g),
         "prompt_mask": torch.ones(B, P, device="cuda", dtype=torch.long),
-        "completion_ids": torch.randint(10, W1_VOCAB, (B, length), device="cuda", generator=g),
+        "completion_ids": torch.randint(10, vocab, (B, length), device="cuda", generator=g),
         "completion_mask": torch.ones(B, length, device="cuda", dtype=torch.long),
         "advantages": torch.randn(B, device="cuda", generator=g),
         "num_items_in_batch": torch.tensor(float(B * length), device="cuda"),
@@ -104,7 +113,7 @@ def step_attention(trainer, cudnn_sdpa: str):
 
 def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer") -> dict:
     model = trainer.model
-    inputs = make_inputs(length)
+    inputs = make_inputs(length, model.config.vocab_size)
     result = {}
     if beta:
         inputs["ref_per_token_logps"], result["ref_pass_peak_GiB"] = reference_logps(trainer, inputs)
@@ -135,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainers", default="trl,slimrl")
     parser.add_argument("--skip-trl-above", type=int, default=32768, help="TRL does not fit beyond this in 80 GB")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--model", default="w1", choices=("w1", "llama8b"), help="W1's shape or Llama-3.1-8B's")
+    parser.add_argument("--unsloth-site", default=None, help="a folder with Unsloth installed: adds it as a side")
     parser.add_argument("--cudnn-sdpa", choices=("as-trainer", "allow"), default="as-trainer",
                         help="as-trainer: slimrl's step runs with cuDNN's SDPA off, as its training_step does; allow: "
                         "leave torch's choice (how the figures before the cuDNN NaN fix were measured)")  # fmt: skip
@@ -193,19 +204,47 @@ def main(argv=None) -> None:
     import transformers
     import trl
 
-    report = {"workload": "W1", "beta": args.beta, "cudnn_sdpa": args.cudnn_sdpa, "gpu": torch.cuda.get_device_name(),
+    report = {"workload": "W1", "model": args.model, "beta": args.beta, "cudnn_sdpa": args.cudnn_sdpa,
+              "gpu": torch.cuda.get_device_name(),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "trl": trl.__version__, "peft": peft.__version__}, "results": {}}  # fmt: skip
-    model = build_model()
+    model = build_model(args.model)
     report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     path = out / f"grpo_memory{args.tag}.json"
     for kind, variant in planned_runs(args):
         run_lengths(kind, variant, model, args, report, path)
+    if args.unsloth_site:
+        run_unsloth(model, args, report, out)
     path.write_text(json.dumps(report, indent=2))
     try:
         plot(report, out / f"grpo_memory{args.tag}.png")
     except ImportError as error:  # matplotlib is not on every GPU image; the JSON is the record
         print(f"no plot: {error}")
+
+
+def run_unsloth(model, args, report: dict, out: Path) -> None:
+    """Unsloth's side (bench/unsloth_side.py) on this run's weights and lengths, in a process of its own; its
+    results join the report, with slimrl's time as a fraction of Unsloth's at each length both measured."""
+    from unsloth_side import save_model
+
+    model_dir = out / "unsloth_model"
+    save_model(model, model_dir)
+    side_json = out / f"unsloth_side{args.tag}.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.unsloth_site, str(HERE)]),
+               UNSLOTH_DISABLE_STATISTICS="1", HF_HUB_OFFLINE="1")  # fmt: skip
+    command = [sys.executable, str(HERE / "unsloth_side.py"), str(model_dir), str(side_json),
+               *map(str, args.lengths)]  # fmt: skip
+    finished = subprocess.run(command, env=env, check=False)
+    if not side_json.exists():
+        report["results"]["unsloth"] = f"failed (exit {finished.returncode}; see the run's log)"
+        return
+    side = json.loads(side_json.read_text())
+    report["unsloth_versions"] = side["versions"]
+    report["results"].update(side["results"])
+    for length in args.lengths:
+        ours, theirs = report["results"].get(f"slimrl_L{length}"), side["results"].get(f"unsloth_L{length}")
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            report.setdefault("slimrl_over_unsloth_time", {})[str(length)] = round(ours["s"] / theirs["s"], 3)
 
 
 def plot(report: dict, path: Path) -> None:

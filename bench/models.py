@@ -71,7 +71,28 @@ def qwen3_moe_config(tiny: bool = False, context: int = 32768):
                           tie_word_embeddings=False, rms_norm_eps=1e-6)  # fmt: skip
 
 
-CONFIGS = {"gemma3-1b": gemma3_config, "qwen3-moe": qwen3_moe_config}
+# Llama-3.1-8B (meta-llama/Llama-3.1-8B's config.json, its llama3 RoPE scaling included): issue 34's memory row at
+# 8 completions of 20,480 tokens, the setting Unsloth publishes a figure for
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)  # fmt: skip
+LLAMA_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def llama8b_config(tiny: bool = False, context: int = 32768):
+    """Llama-3.1-8B's config (or a tiny Llama with the same RoPE scaling)."""
+    from transformers import LlamaConfig
+
+    shape = dict(LLAMA_TINY if tiny else LLAMA31_8B)
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], context)
+    return LlamaConfig(**shape, rope_parameters=dict(LLAMA3_ROPE))
+
+
+CONFIGS = {"gemma3-1b": gemma3_config, "qwen3-moe": qwen3_moe_config, "llama8b": llama8b_config}
 
 
 def build(name: str, tiny: bool = False, device: str = "cuda", dtype=None, seed: int = 0, context: int = 32768,
