@@ -179,10 +179,10 @@ class Decoder:
 
     def _mlp(self, h: torch.Tensor, specs, ops: GroupedOps, mark) -> torch.Tensor:
         """The layer's gated MLP of its post-attention-norm output h [N, hidden]: fused kernels where the ops have
-        them bound, else the grouped projections; a sparse block's routed experts (moe.py), never the fused kernels
-        (they implement the dense SwiGLU)."""
+        them bound, else the grouped projections; a sparse block's routed experts (moe.py: during a decode step with
+        the fused kernels bound, `kernels.moe`'s launches)."""
         if isinstance(specs, SparseSpec):
-            return routed_mlp(h, specs)
+            return routed_mlp(h, specs, ops.fused)
         gate, up, down = specs
         fused = ops.fused
         act = None if fused is None else fused.gate_up(h, gate, up, down)

@@ -12,7 +12,8 @@ in fp32. The routed (token, expert) rows are sorted by expert and each expert's 
 (`grouped_linear`). peft's LoRA is applied as it folds it: into the router weight (tiny: [E, hidden]); on the experts
 as the low-rank product on the routed rows, x W^T + s (x A_e^T) B_e^T, the same sum as peft's x (W + s B_e A_e)^T
 without materialising every expert's weight each step. Nothing here syncs with the host on CUDA, so a decode step
-with sparse layers can be captured as a graph; the fused decode kernels (Llama's dense SwiGLU) are not used for it.
+with sparse layers can be captured as a graph. `expert_mix` is the reference; during a decode step with the fused
+kernels on, `kernels.moe` runs the same math in five launches that read each routed expert's weights once.
 """
 
 from __future__ import annotations
@@ -228,10 +229,21 @@ def route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor
     return weights, experts
 
 
-def routed_mlp(h: torch.Tensor, spec: SparseSpec) -> torch.Tensor:
-    """The sparse block's output [N, hidden] for its input h [N, hidden]: each token's top-k experts' SwiGLU
-    outputs, weighted by the routing weights and summed over k in their dtype, then rounded to h's dtype."""
+def routed_mlp(h: torch.Tensor, spec: SparseSpec, fused=None) -> torch.Tensor:
+    """The sparse block's output [N, hidden] for its input h [N, hidden]. fused: the engine's `FusedDecode`
+    (`ops.fused`); bound to a decode step (its `context` set, never in a prefill) the experts run as `kernels.moe`'s
+    launches where those take the spec (deterministic when it is `ordered`), else as `expert_mix`."""
     weights, experts = route(h, spec)
+    if fused is not None and fused.context is not None:
+        out = fused_expert_mix(h, weights, experts, spec, fused.ordered)
+        if out is not None:
+            return out
+    return expert_mix(h, weights, experts, spec)
+
+
+def expert_mix(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, spec: SparseSpec) -> torch.Tensor:
+    """The reference: each token's top-k experts' SwiGLU outputs of h [N, hidden] (experts [N, k] ids, weights
+    [N, k]), weighted by the routing weights and summed over k in their dtype, then rounded to h's dtype."""
     count, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -246,6 +258,24 @@ def routed_mlp(h: torch.Tensor, spec: SparseSpec) -> torch.Tensor:
     out = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
     return unsorted.view(count, k, -1).sum(dim=1).to(h.dtype)
+
+
+def fused_expert_mix(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, spec: SparseSpec,
+                     ordered: bool = False) -> torch.Tensor | None:  # fmt: skip
+    """`expert_mix` by `kernels.moe.routed_experts`, or None where it cannot run: no Triton, not on CUDA (outside
+    Triton's interpreter), several adapters on one projection, operands it does not take (`kernels.moe.fits`)."""
+    from slimrl.rollout import kernels
+
+    if not kernels.available() or len(spec.gate_up.loras) > 1 or len(spec.down.loras) > 1:
+        return None
+    from slimrl.rollout.kernels import moe as moe_kernels
+
+    gate_up_lora = spec.gate_up.loras[0] if spec.gate_up.loras else None
+    down_lora = spec.down.loras[0] if spec.down.loras else None
+    if not moe_kernels.fits(h, spec.gate_up.weight, spec.down.weight, gate_up_lora, down_lora):
+        return None
+    return moe_kernels.routed_experts(h, weights, experts, spec.gate_up.weight, spec.down.weight, gate_up_lora,
+                                      down_lora, ordered)  # fmt: skip
 
 
 def expert_projection(x: torch.Tensor, projection: ExpertProjection, groups: Groups) -> torch.Tensor:
