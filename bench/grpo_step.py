@@ -34,7 +34,8 @@ tokens), so TRL's trainers run --trl-steps steps, fewer than slimrl's --steps.
 slimrl runs first, and the JSON is rewritten after every step, so a run cut short keeps what it measured.
 
     python bench/grpo_step.py [$OUT/w3.json] [--algorithm grpo|rloo|ppo] [--steps 10] [--trl-steps 3]
-                              [--skip SIDE ...] [--completion-length 1024] [--beta 0] [--slimrl-backend auto] [--tiny]
+                              [--skip SIDE ...] [--completion-length 1024] [--prompt-tokens 256] [--beta 0]
+                              [--slimrl-backend auto] [--shared-prompt] [--tiny]
 
 --tiny runs a 2-layer Qwen2 from slimrl.testing with short prompts and completions: a CPU smoke run.
 
@@ -50,6 +51,14 @@ Llama through the same code (a CPU smoke run).
 The engine prefills each of GRPO's 8 copies of a prompt once (EngineOptions.share_prompt_prefill); --no-shared-prefill
 turns that off for slimrl's sides, so `--prompt-tokens 1024` runs with and without it give its gain (the side's
 "engine" record says which ran).
+
+--shared-prompt (GRPO): a third side, "slimrl_shared_prompt", runs slimrl's GRPO with shared_prompt_forward=True (the
+8 completions of the step's prompt trained against one copy of the prompt's activations) right after "slimrl", on
+the same fresh model, data and seed, so one run measures the same step with and without it; the JSON's
+"shared_prompt" block gives slimrl's seconds over the shared side's (per phase, and the training phase's median),
+both sides' peak memory and first losses, and the reasons it fell back to the plain forward, if any (a problem).
+
+    python bench/grpo_step.py $OUT/w3_shared.json --shared-prompt --prompt-tokens 1024 [--skip trl]
 
 Per side the summary also gives the median training seconds over the steps after the first, the largest of those
 over that median (stall ratio), and the mean step; the speedups (TRL / slimrl, or GRPO / PPO) are given for the mean
@@ -98,7 +107,9 @@ SIDES = {  # JSON key -> (whose trainer, which algorithm)
     "trl_rloo": ("trl", "rloo"),
     "slimrl_ppo": ("slimrl", "ppo"),
     "slimrl_grpo": ("slimrl", "grpo"),
+    "slimrl_shared_prompt": ("slimrl", "grpo"),  # --shared-prompt: slimrl's GRPO with shared_prompt_forward=True
 }
+SHARED_PROMPT_SIDE = "slimrl_shared_prompt"
 # --algorithm -> its two sides in the order they run (slimrl's first: its steps are short, so a run cut off by a time
 # limit still has them); the speedup is the second side's seconds over the first's
 RUNS = {"grpo": ("slimrl", "trl"), "rloo": ("slimrl_rloo", "trl_rloo"), "ppo": ("slimrl_ppo", "slimrl_grpo")}
@@ -294,6 +305,8 @@ def build_trainer(kind: str, model, tokenizer, data: dict, args, steps: int, out
     settings = trainer_settings(algorithm, args, steps, output_dir, cuda)
     if owner == "slimrl":
         settings.update(num_chunks="auto", generation_backend=args.slimrl_backend)
+    if kind == SHARED_PROMPT_SIDE:
+        settings["shared_prompt_forward"] = True
     settings.update(extra)
     trainer_class, config_class = trainer_classes(owner, algorithm)
     return trainer_class(model=model, reward_funcs=data["rewards"], args=config_class(**settings),
@@ -426,6 +439,8 @@ def finish_side(side: dict, held: dict, records: list[dict], algorithm: str) -> 
         side["engine"] = engine_config(trainer)
         side["engine_used"] = any("engine_stats" in r for r in records)
         side["num_chunks"] = getattr(trainer, "last_auto_chunks", None)  # slimrl's last automatic choice
+        if getattr(trainer.args, "shared_prompt_forward", False):
+            side["shared_prompt_fallbacks"] = trainer.shared_prompt_fallbacks
         engine = rollout_engine(trainer)
         if engine is not None:
             engine.release(keep_graph=False)  # its graphs and cache must not count against the next side
@@ -537,6 +552,11 @@ def print_summary(report: dict) -> None:
     print(f"\nW3 ({report['algorithm']}): seconds per step (means over all steps but the first, where there are two or "
           "more)")  # fmt: skip
     print(markdown_table(header, rows))
+    gain = report.get("shared_prompt") or {}
+    if gain.get("mean_after_first") or gain.get("mean_all"):
+        basis = "mean_after_first" if gain.get("mean_after_first") else "mean_all"
+        print(f"shared prompt: training {gain[basis]['training_s']}x, step {gain[basis]['step_s']}x ({basis}; "
+              f"{gain['speedup_is']}), peak GiB {gain['peak_GiB']}")  # fmt: skip
     for problem in report["problems"]:
         print(f"PROBLEM: {problem.splitlines()[0]}")
 
@@ -559,7 +579,8 @@ def settings_record(args, data: dict, cuda: bool) -> dict:
     record.update(completion_length=args.completion_length, temperature=1.0, learning_rate=1e-5,
                   lr_scheduler="constant", gradient_checkpointing=True, bf16=cuda and not args.tiny, seed=args.seed,
                   slimrl_backend=args.slimrl_backend, rewards=[getattr(f, "__name__", str(f)) for f in data["rewards"]],
-                  steps={kind: side_steps(kind, args) for kind in RUNS[args.algorithm]})  # fmt: skip
+                  shared_prompt=args.shared_prompt,
+                  steps={kind: side_steps(kind, args) for kind in sides_to_run(args)})  # fmt: skip
     return record
 
 
@@ -573,6 +594,34 @@ def algorithm_record(args) -> dict:
     return {"ppo": {"prompts_per_step": 8, "completions_per_prompt": 1, "num_ppo_epochs": 1, "num_mini_batches": 1,
                     "kl_coef": args.beta, "value_function": "a value head on the policy"},
             "grpo": {**group, "loss_type": "dapo", "beta": args.beta}}  # fmt: skip
+
+
+def sides_to_run(args) -> tuple[str, ...]:
+    """--algorithm's sides in the order they run; with --shared-prompt the shared side right after slimrl's."""
+    sides = RUNS[args.algorithm]
+    if not args.shared_prompt:
+        return sides
+    return (sides[0], SHARED_PROMPT_SIDE, *sides[1:])
+
+
+def shared_prompt_gain(report: dict) -> dict | None:
+    """slimrl's seconds over the shared-prompt side's (per phase on both means, and the training phase's median after
+    the first step), both sides' peak memory and first losses (the same run but for the forward), the shared side's
+    fallback reasons."""
+    plain, shared = (report["sides"].get(kind, {}) for kind in ("slimrl", SHARED_PROMPT_SIDE))
+    if not plain.get("steps") or not shared.get("steps"):
+        return None
+    gain = {"speedup_is": f"slimrl seconds / {SHARED_PROMPT_SIDE} seconds"}
+    for basis in ("mean_after_first", "mean_all"):
+        a, b = plain.get(basis), shared.get(basis)
+        if a and b:
+            gain[basis] = {key: ratio(a.get(key), b.get(key)) for key in PHASE_KEYS}
+    gain["training_median_after_first"] = ratio(plain.get("training_median_after_first"),
+                                                shared.get("training_median_after_first"))  # fmt: skip
+    gain["peak_GiB"] = {"slimrl": plain.get("peak_GiB"), SHARED_PROMPT_SIDE: shared.get("peak_GiB")}
+    gain["first_loss"] = {"slimrl": plain["steps"][0].get("loss"), SHARED_PROMPT_SIDE: shared["steps"][0].get("loss")}
+    gain["fallbacks"] = shared.get("shared_prompt_fallbacks", [])
+    return gain
 
 
 def side_steps(kind: str, args) -> int:
@@ -607,6 +656,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shared-prefill", action="store_true",
                         help="slimrl's engine prefills each copy of a prompt (share_prompt_prefill off)")  # fmt: skip
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="GRPO: also run slimrl's GRPO with shared_prompt_forward=True (side "
+                        f"{SHARED_PROMPT_SIDE}) after slimrl's, and compare the two")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model from slimrl.testing: a CPU smoke run")
     args = parser.parse_args(argv)
     if args.real and args.prompt_tokens is not None:
@@ -621,9 +673,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.trl_steps = args.trl_steps or (30 if args.real else 3)
     if min(args.steps, args.trl_steps) < 1:
         parser.error("--steps and --trl-steps must be at least 1")
-    other = [kind for kind in args.skip if kind not in RUNS[args.algorithm]]
+    if args.shared_prompt and args.algorithm != "grpo":
+        parser.error("--shared-prompt measures GRPO's shared-prompt forward: use it with --algorithm grpo")
+    other = [kind for kind in args.skip if kind not in sides_to_run(args)]
     if other:
-        sides = " and ".join(RUNS[args.algorithm])
+        sides = " and ".join(sides_to_run(args))
         parser.error(f"--skip {' '.join(other)}: --algorithm {args.algorithm} runs {sides}")
     return args
 
@@ -667,13 +721,15 @@ def main(argv=None) -> Report:
 
     def save():
         report["speedup"] = speedups(report)
+        if args.shared_prompt:
+            report["shared_prompt"] = shared_prompt_gain(report)
         report.save()
 
     with report.recording_failure():
         report.update(environment(cuda))
         data = build_data(args)
         report["settings"] = settings_record(args, data, cuda)
-        for kind in RUNS[args.algorithm]:
+        for kind in sides_to_run(args):
             side = report["sides"][kind] = {}
             if kind in args.skip:
                 side["status"] = "skipped"
@@ -689,6 +745,8 @@ def main(argv=None) -> Report:
 def side_problems(kind: str, side: dict, args, cuda: bool) -> list[str]:
     if side["status"] == "error":
         return [f"{kind} raised: {side['error'].strip().splitlines()[-1]}"]
+    if side.get("shared_prompt_fallbacks"):
+        return [f"{kind} fell back to the plain forward: {'; '.join(side['shared_prompt_fallbacks'])}"]
     if SIDES[kind][0] == "slimrl" and cuda and args.slimrl_backend != "transformers" and not engine_generated(side):
         return [f"{kind} generated with {side.get('generation_backend')!r} on CUDA, not its rollout engine"]
     return []

@@ -24,14 +24,16 @@ def grpo_step():
 
 
 def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
+    """With --shared-prompt: slimrl's GRPO with shared_prompt_forward=True runs as a third side, after slimrl's."""
     out = tmp_path / "w3.json"
-    returned = grpo_step.main([str(out), "--tiny", "--steps", "2", "--trl-steps", "2"])
+    returned = grpo_step.main([str(out), "--tiny", "--steps", "2", "--trl-steps", "2", "--shared-prompt"])
     report = json.loads(out.read_text())
     assert report["problems"] == [] and returned["problems"] == []
     assert report["workload"] == "W3" and "--tiny" in report["command"]
     assert set(report["versions"]) >= {"torch", "transformers", "trl", "peft"}
     assert report["settings"]["prompt_tokens_min_max"] == [128, 128]  # every prompt padded to the asked length
-    for kind in ("slimrl", "trl"):
+    assert list(report["sides"]) == ["slimrl", "slimrl_shared_prompt", "trl"] and report["settings"]["shared_prompt"]
+    for kind in ("slimrl", "slimrl_shared_prompt", "trl"):
         side = report["sides"][kind]
         assert side["status"] == "ok", side.get("error")
         assert side["steps_requested"] == side["steps_run"] == len(side["steps"]) == 2
@@ -45,6 +47,15 @@ def test_tiny_run_times_both_trainers_step_by_step(grpo_step, tmp_path):
     first = [report["sides"][kind]["steps"][0]["loss"] for kind in ("slimrl", "trl")]
     assert first[0] == pytest.approx(first[1], abs=1e-5), first  # same model, data and seed: the same first loss
     assert set(report["speedup"]["mean_after_first"]) == {"step_s", "generation_s", "reward_s", "training_s"}
+    assert report["sides"]["slimrl_shared_prompt"]["shared_prompt_fallbacks"] == []  # the packed forward ran
+    assert "shared_prompt_fallbacks" not in report["sides"]["slimrl"]
+    gain = report["shared_prompt"]  # slimrl's seconds over the shared side's, both sides' peaks and first losses
+    assert gain["speedup_is"] == "slimrl seconds / slimrl_shared_prompt seconds" and gain["fallbacks"] == []
+    assert gain["mean_after_first"]["training_s"] > 0 and set(gain["peak_GiB"]) == {"slimrl", "slimrl_shared_prompt"}
+    losses = gain["first_loss"]  # the same run but for the training forward: the same first loss
+    assert losses["slimrl"] == pytest.approx(losses["slimrl_shared_prompt"], abs=1e-5) and losses["slimrl"] != 0
+    with pytest.raises(SystemExit):
+        grpo_step.parse_args(["x.json", "--algorithm", "rloo", "--shared-prompt"])
 
 
 def assert_timed_steps(side: dict, steps: int) -> None:

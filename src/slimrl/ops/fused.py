@@ -28,6 +28,9 @@ EAGER_ROUNDING = {"emulate_precision_casts": True}
 RECOMPILE_LIMIT = 32  # graphs each fused op may compile (W5's SFT hit dynamo's default of 8 on an H100)
 FAST_PATH_DEVICES = ("cuda",)  # device types whose tensors take the compiled path; the others run the reference
 _compiled: dict[str, Compiled] = {}
+# The attribute models/fast_lora.py sets on a module whose forward it switched to fused Functions (its value: the
+# instance forward it replaced, or None): mlp_forward and norm_forward then call the module's own forward.
+FUSED_FORWARD = "_slimrl_fused_forward"
 logger = logging.getLogger(__name__)
 
 
@@ -101,12 +104,16 @@ def fusable_norm(norm) -> bool:
 
 
 def mlp_forward(mlp, hidden_states: torch.Tensor) -> torch.Tensor:
+    if FUSED_FORWARD in vars(mlp):  # fast LoRA: the whole MLP is one fused Function
+        return mlp(hidden_states)
     if fusable_mlp(mlp):
         return mlp.down_proj(silu_mul(mlp.gate_proj(hidden_states), mlp.up_proj(hidden_states)))
     return mlp(hidden_states)
 
 
 def norm_forward(norm, hidden_states: torch.Tensor) -> torch.Tensor:
+    if FUSED_FORWARD in vars(norm):  # fast LoRA's RMSNorm kernels
+        return norm(hidden_states)
     if fusable_norm(norm):
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
     return norm(hidden_states)

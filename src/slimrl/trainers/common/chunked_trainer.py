@@ -75,6 +75,29 @@ class ChunkedTrainerMixin:
         model = self.accelerator.unwrap_model(self.model)
         skip_input_casts_under_autocast(model)
         self._offload_checkpoints([model])
+        self._fast_lora([model])
+
+    def _fast_lora(self, models: list) -> None:
+        """The fused LoRA functions (models/fast_lora.py) where the config asks for them: `fast_lora=True`, or unset
+        on CUDA for one process or DDP. FSDP and DeepSpeed gather each weight in hooks around its module's own call,
+        which the fused functions bypass (they read lora_A and lora_B without calling them), so unset means off there
+        and True is refused."""
+        from slimrl.distributed.sharded import zero_stage
+
+        wanted = getattr(self.args, "fast_lora", None)
+        sharded = self.accelerator.distributed_type == DistributedType.FSDP or zero_stage(self.accelerator) is not None
+        if wanted and sharded:
+            raise ValueError("fast_lora=True cannot run under FSDP or DeepSpeed: their per-module weight gathering "
+                             "does not see the fused functions' reads. Leave fast_lora unset (off there).")  # fmt: skip
+        if wanted is None:
+            wanted = not sharded and not self.args.use_cpu and torch.cuda.is_available()
+        if not wanted:
+            return
+        from slimrl.models.fast_lora import describe_fast_lora, enable_fast_lora
+
+        for model in models:
+            if enable_fast_lora(model):
+                logger.info("slimrl: fast LoRA on (%s)", describe_fast_lora(model))
 
     def _offload_checkpoints(self, models: list) -> None:
         """Offloaded checkpoints for `models` where the config asks for them: `offload_checkpoints=True` on any device

@@ -5,7 +5,7 @@ that cannot work. A plain `trl.GRPOConfig` (or none) given to slimrl's trainer g
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trl
 
@@ -17,8 +17,20 @@ from slimrl.trainers.rollouts.rollout_fields import RolloutFields, with_rollout_
 @dataclass
 class GRPOConfig(RolloutFields, SlimFields, trl.GRPOConfig):
     """TRL's GRPOConfig plus slimrl's settings (the shared ones in SlimFields; generation_backend and
-    deterministic_rollouts in RolloutFields, shared with RLOO), with errors for settings TRL accepts but that cannot
-    work."""
+    deterministic_rollouts in RolloutFields, shared with RLOO; shared_prompt_forward, GRPO's own), with errors for
+    settings TRL accepts but that cannot work."""
+
+    shared_prompt_forward: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the G completions of each prompt against ONE copy of the prompt's activations in the "
+            "training forward: each chunk holds whole prompt groups (rows with identical prompt ids), each packed "
+            "as the prompt followed by its completions, attended so that a completion sees the prompt and itself "
+            "only. Same log-probs, entropies and gradients as the plain forward; pays with long prompts and many "
+            "generations. Falls back to the plain forward, with one log line naming why, where it cannot run "
+            "(multimodal inputs, attention other than SDPA, sliding windows, no prompt shared in the micro-batch)."
+        },
+    )
 
     def __post_init__(self):
         self._check_grpo_fields()

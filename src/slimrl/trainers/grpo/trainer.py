@@ -11,6 +11,8 @@ Overrides, each for one reason (and each keeping TRL's contract, said in a `cont
   loss normalised so that the summed gradient equals TRL's; logs TRL's metrics with TRL's names and values.
 - `_get_per_token_logps_and_entropies` (from `ChunkedScoringMixin`, shared with RLOO): gradient-free scoring passes
   in the training step's chunk size.
+- `_chunk_logps_and_entropies`: with `shared_prompt_forward`, a chunk of whole prompt groups is scored by one packed
+  forward that computes each prompt once for all its completions (trainers/common/shared_prompt.py); same values.
 - `training_step`: measures the step's peak GPU memory and the training phase's tokens per second.
 `SlimTrainerMixin` (trainers/common/base.py) adds the NaN guards and the attention-backend choice around every step.
 Everything else (rewards, advantages, tools and environments, logging, checkpoints) is TRL's.
@@ -18,6 +20,7 @@ Everything else (rewards, advantages, tools and environments, logging, checkpoin
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from slimrl.trainers.common.chunked_trainer import ChunkedScoringMixin, ChunkedT
 from slimrl.trainers.common.dataset_checks import check_prompt_datasets
 from slimrl.trainers.common.resume import ResumableTrainerMixin
 from slimrl.trainers.common.rewards_guard import CheckedRewardsMixin, guard_reward_funcs
+from slimrl.trainers.common.shared_prompt import GroupChunk, packed_logps_and_entropies, plan_shared_prompt
 from slimrl.trainers.grpo.config import GRPOConfig, with_slimrl_fields
 from slimrl.trainers.grpo.inputs import check_context_length
 from slimrl.trainers.grpo.loss import (
@@ -47,6 +51,8 @@ from slimrl.trainers.rollouts.async_rollouts import AsyncRolloutMixin
 from slimrl.trainers.rollouts.engine_rollouts import EngineRolloutMixin
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]  # the config lives in grpo_config.py; importable from here as before
+
+logger = logging.getLogger("slimrl.trainers")
 
 
 @dataclass(frozen=True)
@@ -113,8 +119,7 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedScoringMixin, 
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [N, T]
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, T]
-        lengths = (inputs["prompt_mask"].sum(1) + completion_mask.sum(1)).tolist()
-        chunks = plan_chunks(completion_mask, self._num_chunks_for(lengths, completion_ids.device))
+        chunks = self._plan_chunks(model, inputs)
         token_normalizer = None
         if self.loss_type in TOKEN_SUM_LOSSES:
             token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -146,6 +151,38 @@ class GRPOTrainer(ResumableTrainerMixin, SlimTrainerMixin, ChunkedScoringMixin, 
             effective_total=effective_total,
             entropy_coef=entropy_coef,
         )
+
+    def _plan_chunks(self, model, inputs) -> list[Chunk]:
+        """Chunks of whole prompt groups for the shared-prompt forward where it is on and can run, else of sequences
+        grouped by length; a reason the shared prompt cannot run is logged once."""
+        completion_mask = inputs["completion_mask"]
+        device = completion_mask.device
+        if self.args.shared_prompt_forward:
+            auto = self.args.num_chunks == "auto"
+            plan = plan_shared_prompt(model, inputs, lambda units: self._num_chunks_for(units, device), auto)
+            if plan.chunks is not None:
+                return plan.chunks
+            self._log_shared_prompt_fallback(plan.reason)
+        lengths = (inputs["prompt_mask"].sum(1) + completion_mask.sum(1)).tolist()
+        return plan_chunks(completion_mask, self._num_chunks_for(lengths, device))
+
+    def _log_shared_prompt_fallback(self, reason: str) -> None:
+        logged = self.__dict__.setdefault("_shared_prompt_fallbacks", [])
+        if reason not in logged:
+            logged.append(reason)
+            logger.warning("slimrl: the shared-prompt forward does not run on this batch because %s; the plain "
+                           "forward computes it (same values).", reason)  # fmt: skip
+
+    @property
+    def shared_prompt_fallbacks(self) -> list[str]:
+        """The reasons the shared-prompt forward fell back to the plain forward so far (each once, in order)."""
+        return list(self.__dict__.get("_shared_prompt_fallbacks", []))
+
+    def _chunk_logps_and_entropies(self, model, inputs, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        # contract: ChunkedScoringMixin's (logps, entropies) [b, chunk.width] of the chunk's rows, same values
+        if isinstance(chunk, GroupChunk):
+            return packed_logps_and_entropies(model, inputs, chunk, self.accelerator.autocast())
+        return super()._chunk_logps_and_entropies(model, inputs, chunk)
 
     def _chunk_loss(self, model, inputs, batch: _MicroBatch, chunk: Chunk) -> tuple[torch.Tensor, ChunkStats]:
         """One chunk's share of the loss (with grad) and its detached policy-loss, entropy and metric parts."""
