@@ -152,8 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default="",
-        help="slimrl settings to compare, e.g. '8/8192/1;8/0/0' = "
-        "num_chunks/mlp_tile_tokens/offload (0 or 1); each is measured as slimrl[variant]",
+        help="slimrl settings to compare, e.g. '8/8192/1;8/0/0;auto/8192/1/0' = "
+        "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0 or 1)]; each is measured as slimrl[variant]",
     )
     return parser.parse_args(argv)
 
@@ -162,9 +162,11 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
     """(name, slimrl settings or None) per run: the trainers asked for, then each --variants spec."""
     runs = [(kind, None) for kind in args.trainers.split(",")]  # TRL first: slimrl installs its savers on the model
     for spec in filter(None, args.variants.split(";")):
-        chunks, tile, offload = spec.split("/")
+        chunks, tile, offload, *fast = spec.split("/")
         variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
                    "offload_checkpoints": offload == "1"}  # fmt: skip
+        if fast:
+            variant["fast_lora"] = fast[0] == "1"
         runs.append((f"slimrl[{spec}]", variant))
     return runs
 
@@ -175,6 +177,10 @@ def run_lengths(kind: str, variant: dict | None, model, args, report: dict, path
         from slimrl.models.checkpointing import disable_offloaded_checkpointing
 
         disable_offloaded_checkpointing(model)
+    if variant is not None and variant.get("fast_lora") is False:
+        from slimrl.models.fast_lora import disable_fast_lora
+
+        disable_fast_lora(model)  # an earlier side's trainer switched the shared model's layers
     trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, variant)
     for length in args.lengths:
         key = f"{kind}_L{length}"
