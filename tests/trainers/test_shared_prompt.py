@@ -111,6 +111,31 @@ def test_packed_forward_equals_the_plain_forward(arch, overrides):
     assert model.config._attn_implementation == "sdpa" and not is_routed(model.config)
 
 
+@pytest.mark.cuda
+def test_on_cuda_in_bf16_the_segments_run_flash_attention():
+    """On a GPU the segments' lower-right causal attention runs flash attention (no mask tensor; a boolean mask sent
+    every call to the memory-efficient kernel), and the packed scores stay the plain forward's within bf16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slimrl.ops.attention_backends import training_attention
+
+    model = lora_policy("qwen2").to("cuda", torch.bfloat16)
+    inputs = {k: v.cuda() for k, v in grouped_batch().items()}
+    chunk = plan_shared_prompt(model, inputs, lambda units: 1).chunks[0]
+    with training_attention():  # as the trainer's step runs it
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            packed = scored(model, inputs, chunk, packed_forward)
+        plain = scored(model, inputs, chunk, plain_logps_and_entropies)
+    kernels = [e.key for e in prof.key_averages()]
+    # torch's own flash kernels are "pytorch_flash::..."; the memory-efficient ones "fmha_cutlassF/B..."
+    assert any("pytorch_flash" in k for k in kernels) and not any("fmha_cutlass" in k for k in kernels), kernels
+    mask = inputs["completion_mask"][chunk.rows].bool()
+    assert_close(packed[0][mask].float(), plain[0][mask].float(), "bf16", name="logps")
+    for name, grad in plain[2].items():
+        scale = grad.abs().max().item()
+        assert_close(packed[2][name].float() / scale, grad.float() / scale, "bf16_sum", name=f"grad of {name}")
+
+
 def test_each_prompt_is_computed_once_per_group():
     """A chunk of the three groups packs 3 rows of 5 shared tokens + 3, 3 and 2 segments of the chunk's 9 columns:
     48 tokens against the plain forward's 8 rows x (6 + 9)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 ATTENTION_NAME = "slimrl_shared_prompt"
 INNER_ATTENTION = "sdpa"  # what calls without a layout run, and the only implementation the switch replaces
@@ -93,8 +94,11 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
         prefix = t[:, start:end].unsqueeze(0).expand(count, -1, -1, -1)
         return _repeat_kv(torch.cat([prefix, own], dim=2), heads // kv_heads)
 
-    # query i of a segment sees every shared key and its own keys 0..i: key j with j <= i + shared
-    mask = torch.ones(width, shared + width, dtype=torch.bool, device=q.device).tril(diagonal=shared)
+    # query i of a segment sees every shared key and its own keys 0..i: key j with j <= i + shared, the causal mask
+    # aligned to the lower right; as torch's CausalBias it needs no mask tensor and runs flash attention on CUDA (a
+    # [W, S + W] boolean tensor sent every call to the memory-efficient kernel, which made the packed training step
+    # no faster than the plain one on an H100)
+    mask = causal_lower_right(width, shared + width)
     out = _sdpa(queries, keys_of(k), keys_of(v), scaling, mask=mask)  # [G, H, W, d]
     return out.transpose(0, 1).reshape(heads, count * width, head_dim)
 
@@ -105,10 +109,17 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
 
 
-def _sdpa(q, k, v, scaling, causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa(q, k, v, scaling, causal: bool = False, mask=None) -> torch.Tensor:
+    if isinstance(mask, CausalBias):
+        # what F.scaled_dot_product_attention does with a CausalBias (flash, else memory-efficient, else the mask
+        # materialised; never cuDNN), called directly: under slimrl's training_attention guard F's function is a
+        # wrapper, which CausalBias' __torch_function__ does not recognise
+        return CausalBias._dispatch(q, k, v, mask, scale=scaling)
     # F.scaled_dot_product_attention is looked up at call time, so slimrl's training_attention guard applies
-    gqa = q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    if q.shape[-3] != k.shape[-3]:  # (the masked call has its keys repeated by hand)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling,
+                                              enable_gqa=True)  # fmt: skip
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling)
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
