@@ -97,7 +97,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--ordered", type=int, nargs="+", default=[1, 0])
     args = parser.parse_args(argv)
     gate_up, down, gate_up_lora, down_lora = layer()
-    spec = moe.SparseSpec(router=None, top_k=TOP_K, normalize=True, round_weights=True,
+    router = torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16, device="cuda")  # (the routing is drawn, not computed)
+    spec = moe.SparseSpec(router=router, top_k=TOP_K, normalize=True, round_weights=True,
                           gate_up=moe.ExpertProjection(gate_up, (gate_up_lora,)),
                           down=moe.ExpertProjection(down, (down_lora,)))  # fmt: skip
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": {},

@@ -74,7 +74,7 @@ def scored(model, inputs, chunk, forward):
     """(log-probs, entropies, every LoRA gradient) of a token-weighted loss over the chunk's scores."""
     model.zero_grad(set_to_none=True)
     logps, entropies = forward(model, inputs, chunk)
-    weights = torch.randn(logps.shape, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(logps.shape, generator=torch.Generator().manual_seed(3)).to(logps.device)
     mask = inputs["completion_mask"][chunk.rows, : chunk.width]
     ((logps * weights + 0.3 * entropies) * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
