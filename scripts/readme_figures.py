@@ -194,22 +194,28 @@ def w1_cell(side: dict) -> str:
 def render_w1(b: dict[str, Source]) -> str:
     rows = by_length(*(src for src in b.values() if any(BY_LENGTH.match(path) for path in src.fields)))
     longest = max(length for length, row in rows.items() if "trl" in row)
-    trl_version = b["short"].get("versions.trl")
-    lines = [f"| completion length | TRL {trl_version} peak / s per step | slimrl peak / s per step |", "|---|---|---|"]
+    short = b["short"]
+    lines = [f"| completion length | TRL {short.get('versions.trl')} peak / s per step | Unsloth "
+             f"{short.get('unsloth_versions.unsloth')} peak / s per step | slimrl peak / s per step | slimrl's time "
+             "/ Unsloth's |", "|---|---|---|---|---|"]  # fmt: skip
     for length, row in rows.items():
         trl = w1_cell(row["trl"]) if "trl" in row else (
             f"not run (~{rows[longest]['trl']['peak_GiB'] * length / longest:.0f} GiB at its linear growth)")
-        lines.append(f"| {length:,} | {trl} | {w1_cell(row['slimrl'])} |")
+        unsloth = w1_cell(row["unsloth"]) if "unsloth" in row else "not run"
+        ratio = f"{row['slimrl']['s'] / row['unsloth']['s']:.2f}" if "unsloth" in row else "-"
+        lines.append(f"| {length:,} | {trl} | {unsloth} | {w1_cell(row['slimrl'])} | {ratio} |")
     both = [row for row in rows.values() if "trl" in row]
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
+    unfused = {length: short.get(f"results.slimrl[auto/8192/1/0]_L{length}.s") for length, row in rows.items()
+               if short in row["sources"]}  # fmt: skip
     after, before = b["w3_after"], b["w3_before"]
     measured = "sides.slimrl.mean_after_first."
-    remeasured = max(length for length, row in rows.items() if b["short"] in row["sources"])
     note = (
-        f"The same loss and gradient norm as TRL where TRL fits (largest relative differences "
-        f"{differ['loss']:.0e} and {differ['grad_norm']:.0e}). The rows up to {remeasured:,} tokens "
-        f"were measured after issue 29 changed how the checkpoint hands its weights' gradients to autograd, the "
-        f"longer ones before it. W3's training phase at N = {after.get('world_size')} "
+        f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
+        f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The "
+        f"rows up to {max(unfused):,} tokens ran in one run, slimrl with fast LoRA (its default on CUDA); without it "
+        f"the same run took {', '.join(f'{s:.3f}' for s in unfused.values())} s. The longer rows are from before "
+        f"fast LoRA. W3's training phase at N = {after.get('world_size')} "
         f"({after.get('settings.num_generations')} completions of {after.get('settings.completion_length'):,} "
         f"tokens): {after.get(measured + 'training_s'):.3f} s and {gib(after.get(measured + 'peak_GiB'))} "
         f"({after.label}, `{after.file}`), against {before.get(measured + 'training_s'):.3f} s and "
