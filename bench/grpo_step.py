@@ -579,7 +579,7 @@ def settings_record(args, data: dict, cuda: bool) -> dict:
     record.update(completion_length=args.completion_length, temperature=1.0, learning_rate=1e-5,
                   lr_scheduler="constant", gradient_checkpointing=True, bf16=cuda and not args.tiny, seed=args.seed,
                   slimrl_backend=args.slimrl_backend, rewards=[getattr(f, "__name__", str(f)) for f in data["rewards"]],
-                  shared_prompt=args.shared_prompt,
+                  shared_prompt=getattr(args, "shared_prompt", False),
                   steps={kind: side_steps(kind, args) for kind in sides_to_run(args)})  # fmt: skip
     return record
 
@@ -599,7 +599,7 @@ def algorithm_record(args) -> dict:
 def sides_to_run(args) -> tuple[str, ...]:
     """--algorithm's sides in the order they run; with --shared-prompt the shared side right after slimrl's."""
     sides = RUNS[args.algorithm]
-    if not args.shared_prompt:
+    if not getattr(args, "shared_prompt", False):  # (bench/scaling.py, which shares this, has no --shared-prompt)
         return sides
     return (sides[0], SHARED_PROMPT_SIDE, *sides[1:])
 
