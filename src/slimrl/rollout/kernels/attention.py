@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.ops.kernels.rounding import round_to
 from slimrl.rollout.kernels import interpreting
-from slimrl.rollout.kernels.common import enter
+from slimrl.rollout.kernels.common import enter, round_to
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kv_cache import table_unit
 

@@ -1,5 +1,4 @@
-"""What the decode step's Triton kernels share: programmatic dependent launch, precision and tiles (their rounding
-helper is the training kernels', `slimrl.ops.kernels.rounding.round_to`).
+"""What the decode step's Triton kernels share: programmatic dependent launch, rounding, precision and tiles.
 
 ## Programmatic dependent launch (PDL)
 
@@ -51,6 +50,8 @@ except ImportError:  # a Triton without grid dependency control: never launched 
 
 MODE = int(os.environ.get("SLIMRL_PDL", "1"))
 _CAPABLE: dict[int, bool] = {}
+# Triton's interpreter (the CPU tests) converts fp32 to bf16 by truncation; there the rounding is done by hand
+_SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -83,6 +84,16 @@ def enter(PDL: tl.constexpr):
 
 
 # -- arithmetic and tiles --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """x rounded to `dtype` (to nearest, ties to even) and back to fp32 (a no-op for fp32)."""
+    if _SOFT_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
 
 
 def precision(dtype: torch.dtype, tf32: bool) -> str:

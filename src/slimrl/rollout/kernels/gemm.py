@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.ops.kernels.rounding import round_to
+from slimrl.rollout.kernels.common import round_to
 
 
 @triton.jit

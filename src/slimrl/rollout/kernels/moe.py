@@ -34,9 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.ops.kernels.rounding import round_to
 from slimrl.rollout.kernels import interpreting, runs_here
-from slimrl.rollout.kernels.common import enter, precision
+from slimrl.rollout.kernels.common import enter, precision, round_to
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import add_lora, gemm_pair
 

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.ops.kernels.rounding import round_to
 from slimrl.rollout.kernels import interpreting
 from slimrl.rollout.kernels.common import block_m as rows_per_program
-from slimrl.rollout.kernels.common import enter, fixed_order_sum, precision, tile_columns, tree_group
+from slimrl.rollout.kernels.common import enter, fixed_order_sum, precision, round_to, tile_columns, tree_group
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
 from slimrl.rollout.kernels.lora import shrink_
