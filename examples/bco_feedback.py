@@ -35,6 +35,7 @@ import random
 import time
 
 import torch
+from example_setup import load_model, parse_with_smoke
 
 # the smoke run's settings: a few seconds on a CPU
 SMOKE_DEFAULTS = {"steps": 2, "problems": 4, "max_new_tokens": 8, "eval_size": 4}
@@ -54,27 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="outputs/bco")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU: checks that it runs")
-    args = parser.parse_args(argv)
-    if args.smoke:  # smoke settings replace the defaults, not the flags given
-        parser.set_defaults(**SMOKE_DEFAULTS)
-        args = parser.parse_args(argv)
-    return args
+    return parse_with_smoke(parser, SMOKE_DEFAULTS, argv)
 
-
-def load_model(smoke: bool, cuda: bool, seed: int):
-    """The embedded SmolLM2-135M-Instruct, or with `smoke` slimrl.testing's tiny model, with a LoRA adapter."""
-    from slimrl import FastLanguageModel
-
-    if smoke:
-        from slimrl.testing import tiny_model, tiny_tokenizer
-
-        model, tokenizer = tiny_model("llama", seed=seed), tiny_tokenizer()
-    else:
-        model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=256,
-                                                             dtype=None if cuda else torch.float32)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
-                                             random_state=seed)  # fmt: skip
-    return model, tokenizer
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ import argparse
 import time
 
 import torch
+from example_setup import load_model, parse_with_smoke
 
 # the smoke run's settings: a few seconds on a CPU
 SMOKE_DEFAULTS = {"steps": 2, "teacher_steps": 1, "prompts": 4, "max_completion_length": 8, "eval_size": 4}
@@ -48,29 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="outputs/distillation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU: checks that it runs")
-    args = parser.parse_args(argv)
-    if args.smoke:  # smoke settings replace the defaults, not the flags given
-        parser.set_defaults(**SMOKE_DEFAULTS)
-        args = parser.parse_args(argv)
-    return args
+    return parse_with_smoke(parser, SMOKE_DEFAULTS, argv)
 
-
-def load_model(smoke: bool, cuda: bool, seed: int, lora: bool = True):
-    """The embedded SmolLM2-135M-Instruct, or with `smoke` slimrl.testing's tiny model; with a LoRA adapter unless
-    `lora` is False."""
-    from slimrl import FastLanguageModel
-
-    if smoke:
-        from slimrl.testing import tiny_model, tiny_tokenizer
-
-        model, tokenizer = tiny_model("llama", seed=seed), tiny_tokenizer()
-    else:
-        model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=256,
-                                                             dtype=None if cuda else torch.float32)  # fmt: skip
-    if lora:
-        model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
-                                                 random_state=seed)  # fmt: skip
-    return model, tokenizer
 
 
 def main(argv=None) -> dict:

@@ -24,6 +24,7 @@ import random
 import time
 
 import torch
+from example_setup import load_model
 
 
 def replies(rows: list[dict], seed: int) -> list[dict]:
@@ -40,21 +41,6 @@ def replies(rows: list[dict], seed: int) -> list[dict]:
                     "rejected": [{"role": "assistant", "content": f"{expression} = {wrong}"}]})  # fmt: skip
     return out
 
-
-def load_model(smoke: bool, cuda: bool, seed: int):
-    """The embedded SmolLM2-135M-Instruct, or with `smoke` slimrl.testing's tiny model, with a LoRA adapter."""
-    from slimrl import FastLanguageModel
-
-    if smoke:
-        from slimrl.testing import tiny_model, tiny_tokenizer
-
-        model, tokenizer = tiny_model("llama", seed=seed), tiny_tokenizer()
-    else:
-        model, tokenizer = FastLanguageModel.from_pretrained("SmolLM2-135M-Instruct", max_seq_length=256,
-                                                             dtype=None if cuda else torch.float32)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, use_gradient_checkpointing=False,
-                                             random_state=seed)  # fmt: skip
-    return model, tokenizer
 
 
 def main(argv=None) -> dict:

@@ -25,6 +25,7 @@ import time
 import warnings
 
 import torch
+from example_setup import parse_with_smoke
 
 # the smoke run's settings: a few seconds on a CPU
 SMOKE_DEFAULTS = {"rollouts": 1, "prompts": 2, "ppo_epochs": 1, "response_length": 4, "eval_size": 2, "device": "cpu"}
@@ -45,11 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny model, one short rollout: checks that it runs")
-    args = parser.parse_args(argv)
-    if args.smoke:  # smoke settings replace the defaults, not the flags given
-        parser.set_defaults(**SMOKE_DEFAULTS)
-        args = parser.parse_args(argv)
-    return args
+    return parse_with_smoke(parser, SMOKE_DEFAULTS, argv)
 
 
 def step_printer():

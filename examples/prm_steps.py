@@ -35,6 +35,7 @@ import re
 import time
 
 import torch
+from example_setup import parse_with_smoke
 
 # the smoke run's settings: a few seconds on a CPU
 SMOKE_DEFAULTS = {"steps": 2, "solutions": 8, "eval_size": 4, "batch": 4}
@@ -53,11 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="outputs/prm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU: checks that it runs")
-    args = parser.parse_args(argv)
-    if args.smoke:  # smoke settings replace the defaults, not the flags given
-        parser.set_defaults(**SMOKE_DEFAULTS)
-        args = parser.parse_args(argv)
-    return args
+    return parse_with_smoke(parser, SMOKE_DEFAULTS, argv)
 
 
 def step_is_correct(line: str) -> bool:

@@ -26,12 +26,14 @@ RUNS = {
     "prm": ["prm_steps.py", "--smoke"],
     "xpo": ["xpo_arithmetic.py", "--smoke"],
 }
-# Runs each example file as __main__ with its command line, printing a marker line before each.
+# Runs each example file as __main__ with its command line, printing a marker line before each; the examples' folder
+# goes first on the path, as `python examples/<file>.py` puts it (they import their sibling example_setup.py).
 DRIVER = """
-import json, runpy, sys
+import json, os, runpy, sys
 for name, argv in json.loads(sys.argv[1]).items():
     print({mark!r} + name, flush=True)
     sys.argv = argv
+    sys.path.insert(0, os.path.dirname(argv[0]))
     runpy.run_path(argv[0], run_name="__main__")
 """
 
