@@ -48,9 +48,10 @@ Llama through the same code (a CPU smoke run).
 
     python bench/grpo_step.py $OUT/w3_real.json --real [--steps 30] [--trl-steps 30] [--completion-length 256]
 
-The engine prefills each of GRPO's 8 copies of a prompt once (EngineOptions.share_prompt_prefill); --no-shared-prefill
-turns that off for slimrl's sides, so `--prompt-tokens 1024` runs with and without it give its gain (the side's
-"engine" record says which ran).
+The engine prefills each of GRPO's 8 copies of a prompt once and keeps one copy of its K/V in the cache
+(EngineOptions.share_prompt_prefill, share_prompt_cache); --no-shared-prefill turns both off for slimrl's sides (every
+copy prefilled and cached), so `--prompt-tokens 1024` runs with and without it give its gain (the side's "engine" record
+says which ran; each step's engine_stats the cache's bytes).
 
 --shared-prompt (GRPO): a third side, "slimrl_shared_prompt", runs slimrl's GRPO with shared_prompt_forward=True (the
 8 completions of the step's prompt trained against one copy of the prompt's activations) right after "slimrl", on
@@ -417,8 +418,9 @@ def build_side(kind: str, steps: int, args, data: dict, side: dict, held: dict, 
 
 
 def without_shared_prefill(trainer) -> None:
-    """The rollout engine that slimrl's trainer builds at its first rollout prefills every copy of a prompt itself
-    (EngineOptions.share_prompt_prefill off, read at each rollout); TRL's trainers have no engine."""
+    """The rollout engine that slimrl's trainer builds at its first rollout prefills and caches every copy of a prompt
+    itself (EngineOptions.share_prompt_prefill off, and with it share_prompt_cache; read at each rollout); TRL's
+    trainers have no engine."""
     build = getattr(trainer, "_engine", None)
     if build is None:
         return
@@ -655,7 +657,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--slimrl-backend", default="auto", choices=("auto", "engine", "transformers"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shared-prefill", action="store_true",
-                        help="slimrl's engine prefills each copy of a prompt (share_prompt_prefill off)")  # fmt: skip
+                        help="slimrl's engine prefills and caches each copy of a prompt (share_prompt_prefill off)")  # fmt: skip
     parser.add_argument("--shared-prompt", action="store_true",
                         help="GRPO: also run slimrl's GRPO with shared_prompt_forward=True (side "
                         f"{SHARED_PROMPT_SIDE}) after slimrl's, and compare the two")  # fmt: skip

@@ -83,3 +83,38 @@ def test_cuda_graph_decode_matches_generate_and_stays_live():
     assert again.completion_ids == ref[:, ids.shape[1] :].tolist()
     assert again.completion_ids != out.completion_ids
 
+
+
+def test_shared_prompt_cache_on_the_whole_cuda_path():
+    """GRPO-shaped rollouts with the shared prompt cache (one copy of each prompt, `kv_cache`) through the captured
+    graph, the fused q/k/v kernel and the Triton attention reading the prefix through its table: the completions of
+    the cache with a copy per row (fp32 greedy equal to generate's too, and bf16 sampling with deterministic
+    kernels), and the graph replayed after release() frees both caches."""
+    import os
+
+    from tests.rollout.test_shared_cache import ROWS, prefix_of
+
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    model = with_lora(no_eos(build("qwen2", num_attention_heads=2, num_key_value_heads=1, head_dim=32))).cuda()
+    shared = RolloutEngine(model, compile=compiled)
+    separate = RolloutEngine(model, compile=compiled, share_prompt_cache=False)
+    assert shared.options.fused_decode and shared.options.triton_attention
+    ids, mask = left_pad(ROWS)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
+    got = shared.generate(ROWS, GREEDY, 12).completion_ids
+    assert prefix_of(shared) == (4, 256)
+    assert got == separate.generate(ROWS, GREEDY, 12).completion_ids == ref[:, ids.shape[1] :].tolist()
+
+    model = bf16_lora_model()
+    params = SamplingParams(temperature=1.0, seed=3)
+    shared = RolloutEngine(model, deterministic=True)
+    separate = RolloutEngine(model, deterministic=True, share_prompt_cache=False)
+    first = shared.generate(ROWS, params, 40)
+    assert first.completion_ids == separate.generate(ROWS, params, 40).completion_ids
+    assert not shared.sessions.current.graph_bakes_cache, "the graph reads both caches through their tables"
+    shared.release()
+    again = shared.generate(ROWS, params, 40)
+    assert again.stats.get("captures", 0) == 0 and again.completion_ids == first.completion_ids
+    assert again.stats["kv_cache_bytes"] < separate.last_stats["kv_cache_bytes"]

@@ -28,7 +28,7 @@ from slimrl.rollout.model.llama import Decoder
 from slimrl.rollout.model.moe import StagedFactors
 from slimrl.rollout.model.views import supports
 from slimrl.rollout.options import EngineOptions
-from slimrl.rollout.runner import Runner
+from slimrl.rollout.runner import Runner, group_rows, wave_rows
 from slimrl.rollout.sampling import SamplingParams
 from slimrl.rollout.session import Session, Sessions, sampling_key
 from slimrl.rollout.stopping import EngineOutputError, check_output, completions
@@ -130,7 +130,8 @@ class RolloutEngine:
             self.runner.generator.manual_seed(seed)
             order.sort(key=lambda i: -len(prompts[i]))  # similar lengths pad less
         results: list = [None] * len(prompts)
-        # prefill_rows: rows the prefill's forward ran (each wave's distinct prompts with share_prompt_prefill)
+        # prefill_rows: rows the prefill's forward ran (each wave's distinct prompts with share_prompt_prefill);
+        # kv_cache_bytes (set per wave): the largest wave's cache
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "decode_steps": 0, "waves": 0, "prefill_rows": 0}
         tf32_before = torch.backends.cuda.matmul.allow_tf32
         self.staged.begin()  # adapters may have changed since the last rollout: refresh the staged factors
@@ -168,17 +169,25 @@ class RolloutEngine:
         return planning.rows_that_fit(self.decoder, columns, self.max_batch_size, self.gpu_memory_utilization,
                                       self.sessions.held_bytes())  # fmt: skip
 
-    def _session(self, batch: int, seq_len: int, params: SamplingParams, stop_ids) -> Session:
-        key = (batch, seq_len, sampling_key(params), tuple(sorted(stop_ids)))
+    def _session(self, batch: int, seq_len: int, params: SamplingParams, stop_ids, prefix) -> Session:
+        key = (batch, seq_len, prefix, sampling_key(params), tuple(sorted(stop_ids)))
         fused = self.runner.fused_sampling_applies(params)
-        return self.sessions.get(key, lambda: Session(self.decoder, batch, seq_len, params, stop_ids, fused))
+        return self.sessions.get(key, lambda: Session(self.decoder, batch, seq_len, params, stop_ids, fused, prefix))
 
     def _run_wave(self, prompts, limits, params: SamplingParams, stop_ids, stats) -> list:
         count, length = len(prompts), max(len(p) for p in prompts)
         seq_len = planning.cache_length(length, max(limits), self.max_seq_len)
         eager_draws = params.sampler == "multinomial"  # torch.multinomial over exactly these rows, every step
-        session = self._session(count if eager_draws else planning.bucket(count), seq_len, params, stop_ids)
+        batch = count if eager_draws else planning.bucket(count)
+        prefix = None
+        if self.options.share_prompt_prefill and self.options.share_prompt_cache:
+            distinct = len(group_rows(wave_rows(prompts, batch, self.pad_token_id))[0])
+            shared = planning.shared_prefix(batch, distinct, length, max(limits), self.max_seq_len)
+            if distinct < batch and shared is not None:
+                prefix, seq_len = shared
+        session = self._session(batch, seq_len, params, stop_ids, prefix)
         stats["waves"] += 1
+        stats["kv_cache_bytes"] = max(stats.get("kv_cache_bytes", 0), session.cache.nbytes)
         runner = self.runner
         if self.options.cuda_graphs and not eager_draws:
             tick = time.perf_counter()

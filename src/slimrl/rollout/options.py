@@ -44,11 +44,14 @@ class EngineOptions:
         docs/benchmarks.md.
     share_prompt_prefill: prompts held by several rows of a wave (GRPO's G completions of one prompt, which TRL
         repeats G times) are prefilled once each: the prefill's forward runs over the distinct prompts only and
-        each prompt's K/V are then copied into the cache rows of all its copies (the cache still holds one copy per
-        row: it saves prefill compute, not cache memory). No random draw depends on it, so the completions are
-        those without it; only the last bits of the prompt's K/V may differ, as a GEMM over fewer rows can round
-        differently (as a prompt's output already varies in those bits with the prompts sharing its wave). Default
-        on.
+        each prompt's K/V are then copied into the cache rows of all its copies (see share_prompt_cache for one
+        copy). No random draw depends on it, so the completions are those without it; only the last bits of the
+        prompt's K/V may differ, as a GEMM over fewer rows can round differently (as a prompt's output already varies
+        in those bits with the prompts sharing its wave). Default on.
+    share_prompt_cache: with share_prompt_prefill, the cache holds each distinct prompt's K/V once (a shared prefix,
+        `kv_cache`) and each row only its completion's, when that is fewer columns than a copy per row (the prompt
+        columns are rounded up to 128): cache memory for long prompts falls by the copies per prompt. The
+        attention reads the prompt's columns from the one copy; same math, so the same completions. Default on.
     kernel_choices: the fused kernels' launch settings, {group: {row bucket: fused_ops.KernelChoice}}; None loads
         `rollout/tuned/<GPU name>.json` (written by bench/tune_decode.py).
     """
@@ -62,6 +65,7 @@ class EngineOptions:
     fused_sampling: bool | None = None
     deterministic: bool = False
     share_prompt_prefill: bool = True
+    share_prompt_cache: bool = True
     kernel_choices: dict | None = None
     choices_file: str | None = dataclasses.field(default=None, repr=False)  # where kernel_choices came from
 

@@ -39,6 +39,18 @@ def cache_length(prompt_length: int, longest_limit: int, max_seq_len: int) -> in
     return max(longest, min(max_seq_len, SEQ_ROUND * math.ceil(longest / SEQ_ROUND)))
 
 
+def shared_prefix(rows: int, distinct: int, prompt_length: int, longest_limit: int, max_seq_len: int) -> tuple | None:
+    """The shape of a shared prompt cache (`kv_cache`) for a wave of `rows` rows holding `distinct` prompts, as
+    ((prefix rows, prefix columns), columns every row sees), or None when it would not hold fewer columns than the
+    plain cache (`cache_length` columns a row). Prefix rows are bucketed like batches and prefix columns rounded up
+    to SEQ_ROUND (a multiple of every attention tile), so waves of similar shape share a captured graph."""
+    prefix_rows, prefix_len = bucket(distinct), SEQ_ROUND * math.ceil(prompt_length / SEQ_ROUND)
+    own = SEQ_ROUND * math.ceil(max(1, longest_limit) / SEQ_ROUND)
+    if prefix_rows * prefix_len + rows * own >= rows * cache_length(prompt_length, longest_limit, max_seq_len):
+        return None
+    return (prefix_rows, prefix_len), prefix_len + own
+
+
 def request_limits(prompts: list[list[int]], params: SamplingParams, max_new_tokens, vocab_size: int,
                    max_seq_len: int, cap: bool = True) -> list[int]:  # fmt: skip
     """New tokens each prompt may get (max_new_tokens, one int or one per prompt, default params.max_tokens, capped

@@ -72,10 +72,17 @@ class Runner:
         len(prompts) (a bucket's idle rows) get the one-token prompt [pad]. With `share_prompt_prefill`, a prompt
         that several rows hold (GRPO's G copies) runs once: its K/V go into each of those rows (`SharedRows`) and
         its logits are repeated; no random draw happens here, so every row samples as it would without it."""
-        rows = [prompts[r] if r < len(prompts) else [self.pad_token_id] for r in range(session.batch)]
+        rows = wave_rows(prompts, session.batch, self.pad_token_id)
         block = max(1, PREFILL_TOKENS // length)
         distinct, members = group_rows(rows) if self.options.share_prompt_prefill else (rows, None)
         self.prefilled_rows = len(distinct)
+        if session.prefix_len:  # the shared prompt cache: each distinct prompt's K/V go to its one prefix row
+            if members is None or len(distinct) > session.prefix_rows:
+                raise RuntimeError("a session with a shared prompt cache needs the wave's prompts grouped to fit it")
+            source = torch.tensor([j for _, j in sorted((r, j) for j, rows in enumerate(members) for r in rows)])
+            session.source.copy_(source)
+            logits = self._prefill_rows(session, distinct, length, block, PrefixRows(session.cache))
+            return logits.index_select(0, session.source)
         if members is None or len(distinct) == len(rows):
             return self._prefill_rows(session, rows, length, block, session.cache)
         shared = SharedRows(session.cache, members, block, self.device)
@@ -147,6 +154,8 @@ class Runner:
         """One token for every row: the body that is captured as a CUDA graph."""
         decoder = self.decoder
         kernel = self._attention_kernel(session)
+        # the column written: past a shared prompt cache, of the rows' own columns
+        write_column = session.column - session.prefix_len if session.prefix_len else session.column
         if kernel is None:
             session.mask.index_fill_(3, session.column, 0.0)  # the new token's own column becomes visible
         # per sliding window: the mask cut to it (SDPA), or each row's first column inside it (the Triton kernel)
@@ -161,17 +170,18 @@ class Runner:
         unfused = []
 
         def attend(layer, q, k, v):
-            if k is not None:
-                unfused.append(layer)
+            if k is not None or decoder.recipe.attn_softcap is not None:  # (soft-capped attention reads the cache
+                unfused.append(layer)  # as tensors, not through the table)
             window = _effective(decoder.windows[layer], session.seq_len)
             return decode_attention(decoder, session.cache, layer, session.column, q, k, v, masks.get(window),
-                                    kernel, starts.get(window))  # fmt: skip
+                                    kernel, starts.get(window), write_column, session.source)  # fmt: skip
 
         ops = self.ops
         if self.fused is not None:
             if session.scratch is None:
                 session.scratch = self.fused.new_scratch()
-            context = StepContext(session.table, session.anchor, session.column, session.seq_len, session.scratch)
+            own_columns = session.seq_len - session.prefix_len
+            context = StepContext(session.table, session.anchor, write_column, own_columns, session.scratch)
             ops = ops._replace(fused=self.fused.bind(context))
         hidden = decoder.forward(session.tokens, cos, sin, attend, ops, self.options.compile)
         self.finish_step(session, decoder.logits(hidden))
@@ -186,8 +196,13 @@ class Runner:
 
         def kernel(q, keys, values, starts, end, scale, layer):
             tiles = module.launch_tiles(q.shape[0], q.dtype, q.shape[-1])
+            prefix = None
+            if session.prefix_len:  # (its tensors give the strides; the kernel finds them through the table)
+                cache = session.cache
+                prefix = module.Prefix(session.source, session.prefix_len, cache.prefix_keys[layer],
+                                       cache.prefix_values[layer], session.prefix_table)  # fmt: skip
             return module.decode_attention(q, keys, values, starts, end, scale, layer, session.table, session.anchor,
-                                           **tiles)  # fmt: skip
+                                           prefix=prefix, **tiles)  # fmt: skip
 
         return kernel
 
@@ -241,6 +256,11 @@ def prefill_masks(windows, unpadded: bool, real: torch.Tensor, dtype: torch.dtyp
     return masks
 
 
+def wave_rows(prompts: list[list[int]], batch: int, pad_token_id: int) -> list[list[int]]:
+    """The prompts of a wave's `batch` rows: rows past len(prompts) (a bucket's idle rows) hold [pad]."""
+    return [prompts[r] if r < len(prompts) else [pad_token_id] for r in range(batch)]
+
+
 def group_rows(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     """The distinct prompts in the order they first appear, and for each the rows that hold it."""
     first: dict[tuple[int, ...], int] = {}
@@ -287,6 +307,17 @@ class SharedRows:
         for picked, targets in self.rounds[rows.start]:
             k, v = (keys, values) if picked is None else (keys.index_select(0, picked), values.index_select(0, picked))
             self.cache.write_prompt_rows(layer, targets, k, v)
+
+
+class PrefixRows:
+    """The cache as a prefill of distinct prompts sees it with a shared prompt cache: block `rows` of the distinct
+    prompts go to the same prefix rows (`StaticKVCache.write_prefix`), once each."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def write_prompt(self, layer: int, rows: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.cache.write_prefix(layer, rows, keys, values)
 
 
 def _all_done_flag(session: Session) -> tuple:

@@ -22,16 +22,22 @@ IDLE_GRAPHS = 4
 class Session:
     """Everything one rollout shape needs on the device: the cache, the decode-step buffers, the captured graph."""
 
-    def __init__(
-        self, decoder: Decoder, batch: int, seq_len: int, params: SamplingParams, stop_ids, fused_sampling: bool
-    ):
+    def __init__(self, decoder: Decoder, batch: int, seq_len: int, params: SamplingParams, stop_ids,
+                 fused_sampling: bool, prefix: tuple[int, int] | None = None):  # fmt: skip
+        """seq_len: the columns every row sees; prefix: (rows, columns) of a shared prompt cache (`kv_cache`), whose
+        columns are the first of those seq_len, or None (each row holds its prompt)."""
         device, vocab = decoder.device, decoder.vocab_size
         self.batch, self.seq_len, self.params = batch, seq_len, params
+        self.prefix_rows, self.prefix_len = prefix or (0, 0)
+        if self.prefix_len >= seq_len:
+            raise ValueError(f"a prefix of {self.prefix_len} columns leaves none of {seq_len} to decode into")
         self.decoder = decoder
         self.cache = None
         # where the cache tensors are (K then V per layer, from `anchor`), for kernels that must not bake addresses
-        # into a graph
+        # into a graph; the prefix's in their own table
         self.table = torch.zeros(2 * decoder.num_layers, dtype=torch.long, device=device)
+        self.prefix_table = torch.zeros(2 * decoder.num_layers, dtype=torch.long, device=device) if prefix else None
+        self.source = torch.zeros(batch, dtype=torch.long, device=device)  # each row's prefix row
         self.anchor = torch.zeros(1, dtype=decoder.dtype, device=device)
         self.ensure_cache()
         self.cos, self.sin = decoder.rope_tables(seq_len)  # [S, D]
@@ -66,22 +72,28 @@ class Session:
         if self.cache is not None:
             return
         d = self.decoder
-        self.cache = StaticKVCache(d.num_layers, self.batch, d.kv_heads, self.seq_len, d.head_dim, d.dtype, d.device)
+        self.cache = StaticKVCache(d.num_layers, self.batch, d.kv_heads, self.seq_len - self.prefix_len, d.head_dim,
+                                   d.dtype, d.device, self.prefix_rows, self.prefix_len)  # fmt: skip
         self.table.copy_(torch.tensor(table_entries(self.cache, self.anchor), dtype=torch.long))
+        if self.prefix_table is not None:
+            self.prefix_table.copy_(torch.tensor(table_entries(self.cache, self.anchor, prefix=True)))
 
     def reset_for_capture(self) -> None:
-        """Harmless values for the warm-up steps before a capture (they write cache column 0, which prefill
-        overwrites)."""
+        """Harmless values for the warm-up steps before a capture (they write the rows' first own column, which
+        prefill or the first decode step overwrites)."""
         for buf in (self.tokens, self.positions, self.column, self.step, self.max_new, self.starts):
             buf.zero_()
+        self.column.fill_(self.prefix_len)
         self.done.fill_(True)
         self.mask.fill_(float("-inf"))
         if self.noise is not None:
             self.noise.fill_(1.0)
 
     def start(self, prompts: list[list[int]], max_new: list[int], length: int, pad_id: int) -> None:
-        """Initial state for a rollout of these prompts (rows past len(prompts) are idle padding rows)."""
+        """Initial state for a rollout of these prompts (rows past len(prompts) are idle padding rows), left-padded
+        to `length`; with a shared prefix they end where the rows' own columns begin (prefix_len)."""
         device, batch = self.tokens.device, self.batch
+        length = self.prefix_len or length
         lengths = torch.tensor([len(p) for p in prompts] + [1] * (batch - len(prompts)), device=device)
         limits = torch.tensor(list(max_new) + [0] * (batch - len(prompts)), device=device)
         # the prefill's last token sits at column P-1, position len-1; `finish_step` advances both

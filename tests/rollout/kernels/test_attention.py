@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimrl.rollout.kernels.attention import can_run, decode_attention, launch_tiles
+from slimrl.rollout.kernels.attention import Prefix, can_run, decode_attention, launch_tiles
 from slimrl.rollout.kv_cache import StaticKVCache, table_entries
 from tests.rollout.helpers import KERNEL_DEVICE
 from tests.rollout.kernels.builders import DEVICE, DIM, HEADS, KV_HEADS, rand
@@ -65,3 +65,32 @@ def test_attention_kernel_reads_the_cache_through_the_table():
     via_table = decode_attention(q, shape_only, shape_only, starts, end, DIM**-0.5, 1, table, anchor)
     assert torch.equal(via_table, direct)
 
+
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "fp32_sum"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("via_table", [False, True])
+def test_attention_kernel_with_a_prefix_matches_sdpa_over_the_gathered_rows(dtype, kind, via_table):
+    g = torch.Generator(device=KERNEL_DEVICE).manual_seed(5)
+    batch, heads, kv_heads, dim, prefix_len, own = 6, 4, 2, 32, 64, 40
+    cache = StaticKVCache(2, batch, kv_heads, own, dim, dtype, KERNEL_DEVICE, prefix_rows=3, prefix_len=prefix_len)
+    for t in cache.tensors():
+        t.copy_(torch.randn(t.shape, generator=g, device=KERNEL_DEVICE).to(dtype))
+    q = torch.randn(batch, heads, dim, generator=g, device=KERNEL_DEVICE).to(dtype)
+    source = torch.tensor([2, 2, 0, 1, 1, 0], device=KERNEL_DEVICE)
+    # rows starting in the prefix's first tile, its second, and past it (a sliding window's start)
+    starts = torch.tensor([0, 5, 33, 63, 64, 70], device=KERNEL_DEVICE)
+    end = prefix_len + 30
+    keys, values = cache.rows(1, source)
+    expected = sdpa_reference(q, keys, values, starts, end, dim**-0.5)
+    end = torch.tensor([end], device=KERNEL_DEVICE)
+    prefix = Prefix(source, prefix_len, cache.prefix_keys[1], cache.prefix_values[1])
+    if via_table:
+        anchor = torch.zeros(1, dtype=dtype, device=KERNEL_DEVICE)
+        table = torch.tensor(table_entries(cache, anchor), device=KERNEL_DEVICE)
+        prefix = prefix._replace(table=torch.tensor(table_entries(cache, anchor, prefix=True), device=KERNEL_DEVICE))
+        got = decode_attention(q, torch.empty_like(cache.keys[0]), torch.empty_like(cache.keys[0]), starts, end,
+                               dim**-0.5, 1, table, anchor, block_s=32, prefix=prefix)  # fmt: skip
+    else:
+        got = decode_attention(q, cache.keys[1], cache.values[1], starts, end, dim**-0.5, block_s=32, prefix=prefix)
+    assert_close(got.float(), expected.float(), kind, name="attention over the prefix and the rows' own columns")
+    with pytest.raises(ValueError, match="multiple of block_s"):
+        decode_attention(q, cache.keys[1], cache.values[1], starts, end, dim**-0.5, block_s=128, prefix=prefix)

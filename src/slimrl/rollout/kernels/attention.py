@@ -11,6 +11,8 @@ Import this module only where Triton may be used.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -30,34 +32,18 @@ def can_run(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, table_ptr, anchor_ptr, layer, scale,
-                             stride_kb, stride_kh, stride_ks, HEADS: tl.constexpr, GROUP: tl.constexpr,
-                             BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                             FROM_TABLE: tl.constexpr, UNIT: tl.constexpr, DOT_F32: tl.constexpr,
-                             PDL: tl.constexpr):  # fmt: skip
-    enter(PDL)
-    if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
-        k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
-        v_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer + 1) * UNIT
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    start = tl.load(start_ptr + b).to(tl.int32)
-    end = tl.load(end_ptr).to(tl.int32) + 1  # exclusive
-    offs_g = tl.arange(0, BLOCK_G)
+def _attend_columns(q, k_base, v_base, stride_ks, lo, hi, shift, m_i, l_i, acc, scale, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """The online softmax's update over columns [lo, hi) of one K/V row, column c read at tensor column c - shift;
+    tiles start at multiples of BLOCK_S (of c), so a row split in two tensors at a multiple of BLOCK_S is read in
+    the same tiles as one."""
     offs_d = tl.arange(0, D)
-    g_ok = offs_g[:, None] < GROUP
-    q_rows = b * HEADS + h * GROUP + offs_g  # q and out are [B, HEADS, D] contiguous
-    q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok, other=0.0)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_kb + h * stride_kh
-    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
-    first = (start // BLOCK_S) * BLOCK_S
-    for s0 in range(first, end, BLOCK_S):
+    first = (lo // BLOCK_S) * BLOCK_S
+    for s0 in range(first, hi, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        live = (offs_s >= start) & (offs_s < end)
-        k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
+        live = (offs_s >= lo) & (offs_s < hi)
+        where = (offs_s - shift)[:, None] * stride_ks + offs_d[None, :]
+        k = tl.load(k_base + where, mask=live[:, None], other=0.0)
         if DOT_F32:  # Triton's interpreter multiplies half-precision tiles wrongly; their fp32 products are exact
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
         else:
@@ -67,15 +53,67 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, t
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_base + where, mask=live[:, None], other=0.0)
         if DOT_F32:
             pv = tl.dot(round_to(p, v.dtype), v.to(tl.float32), input_precision=PRECISION)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, table_ptr, anchor_ptr, layer, scale,
+                             stride_kb, stride_kh, stride_ks, pk_ptr, pv_ptr, ptable_ptr, source_ptr, prefix_len,
+                             stride_pb, stride_ph, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                             D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                             FROM_TABLE: tl.constexpr, UNIT: tl.constexpr, DOT_F32: tl.constexpr,
+                             PREFIX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    enter(PDL)
+    if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
+        k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
+        v_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer + 1) * UNIT
+        if PREFIX:
+            pk_ptr = anchor_ptr + tl.load(ptable_ptr + 2 * layer) * UNIT
+            pv_ptr = anchor_ptr + tl.load(ptable_ptr + 2 * layer + 1) * UNIT
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    end = tl.load(end_ptr).to(tl.int32) + 1  # exclusive
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g[:, None] < GROUP
+    q_rows = b * HEADS + h * GROUP + offs_g  # q and out are [B, HEADS, D] contiguous
+    q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=g_ok, other=0.0)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+    own = 0  # the first column held in the row's own tensors
+    if PREFIX:  # columns before prefix_len: the prompt's one copy, in prefix row source[b]
+        row = tl.load(source_ptr + b)
+        m_i, l_i, acc = _attend_columns(q, pk_ptr + row * stride_pb + h * stride_ph,
+                                        pv_ptr + row * stride_pb + h * stride_ph, stride_ks, start,
+                                        tl.minimum(end, prefix_len), 0, m_i, l_i, acc, scale, D, BLOCK_S, PRECISION,
+                                        DOT_F32)  # fmt: skip
+        own = prefix_len
+    m_i, l_i, acc = _attend_columns(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_kb + h * stride_kh,
+                                    stride_ks, tl.maximum(start, own), end, own, m_i, l_i, acc, scale, D, BLOCK_S,
+                                    PRECISION, DOT_F32)  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok)
+
+
+class Prefix(NamedTuple):
+    """A shared prompt cache as `decode_attention` reads it: each row's prefix row (int64 [B]), the prefix's column
+    count, its K and V tensors `[rows, kv_heads, length, D]` (with a table: for their strides only) and its address
+    table (K and V per layer, `kv_cache.table_entries(prefix=True)`) or None."""
+
+    source: torch.Tensor
+    length: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    table: torch.Tensor | None = None
 
 
 TILE_BYTES = 32 * 1024  # one K tile's bytes: its K and V tiles, double-buffered, fit an H100's 227 KiB shared memory
@@ -109,12 +147,15 @@ def decode_attention(
     anchor: torch.Tensor | None = None,
     block_s: int = BLOCK_S,
     num_warps: int = 4,
+    prefix: Prefix | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale) v over each row's columns [starts[b], end].
 
     q [B, heads, D]; keys/values [B, kv_heads, S, D] (the static cache); starts [B] and end [1] int tensors on the
     device (no host sync). With `table` and `anchor` (see `kv_cache.table_entries`), the K and V tensors found at
     table[2*layer] and table[2*layer+1] are read instead of keys/values, which then only give the shape.
+    With `prefix` (a shared prompt cache, see `kv_cache`): columns c < prefix.length are read from the prefix row
+    prefix.source[b], the others at c - prefix.length of keys/values; its table (with `table`) or tensors likewise.
     Returns [B, heads, D].
     """
     batch, heads, dim = q.shape
@@ -124,11 +165,21 @@ def decode_attention(
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     from_table = table is not None
+    if prefix is not None:
+        if keys.stride(2) != prefix.keys.stride(2) or (from_table and prefix.table is None) or prefix.length % block_s:
+            raise ValueError("a prefix needs the cache's column stride, a length that is a multiple of block_s (its "
+                             "tiles end where the rows' own columns begin) and a table when the cache is read by one")
+        pk, pv, ptable = (q, q, prefix.table) if from_table else (prefix.keys, prefix.values, starts)
+        source, length, stride_pb, stride_ph = prefix.source, prefix.length, *prefix.keys.stride()[:2]
+    else:
+        pk, pv, ptable, source, length, stride_pb, stride_ph = q, q, starts, starts, 0, 0, 0
     _decode_attention_kernel[(batch, kv_heads)](
         q, q if from_table else keys, q if from_table else values, out, starts, end, table if from_table else starts,
-        anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2),
+        anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2), pk, pv, ptable,
+        source, length, stride_pb, stride_ph,
         HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=block_s,
         PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), DOT_F32=interpreting(),
+        PREFIX=prefix is not None,
         num_warps=num_warps,
         **launch_options(q.device),
     )  # fmt: skip

@@ -278,27 +278,30 @@ def prefill_attention(decoder: Decoder, cache, layer: int, rows: slice, q, k, v,
     return out.transpose(1, 2).reshape(batch * length, heads * dim)
 
 
-def decode_attention(
-    decoder: Decoder, cache, layer: int, column: torch.Tensor, q, k, v, mask, kernel=None, starts=None
-):
+def decode_attention(decoder: Decoder, cache, layer: int, column: torch.Tensor, q, k, v, mask, kernel=None,
+                     starts=None, write_column=None, source=None):  # fmt: skip
     """One new token per sequence: write its K/V at `column`, attend over the cache row's live columns.
 
     q [B, heads, D], k/v [B, kv_heads, D], mask [B, 1, 1, S] additive. `kernel` (kernels.attention.decode_attention)
     reads each row's columns [starts[b], column] directly; without it, SDPA with the mask, where the query heads that
     share a kv head are laid out as that head's queries ([B, kv_heads, group, D]), so nothing is repeated.
+    With a shared prompt cache (`kv_cache`), K/V go to `write_column` of the rows' own columns, and the plain paths
+    read each row's prompt from its prefix row `source[b]` (`StaticKVCache.rows`).
     """
     batch = q.shape[0]
     heads, kv_heads, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
     if k is not None:  # else the fused q/k/v kernel has written them
-        cache.write_column(layer, column, k, v)
-    keys, values = cache.keys[layer], cache.values[layer]
+        cache.write_column(layer, column if write_column is None else write_column, k, v)
     if decoder.recipe.attn_softcap is not None:  # Gemma 2's soft-capped scores: eager (not SDPA, not the kernel)
+        keys, values = cache.rows(layer, source)
         if kernel is not None:  # the runner keeps no mask beside the kernel
             mask = live_columns_mask(starts, column, keys.shape[2], q.dtype)
         out = softcapped_attention(q[:, :, None], keys, values, mask, decoder.scaling, decoder.recipe.attn_softcap)
         return out.reshape(batch, heads * dim)
     if kernel is not None:
-        return kernel(q, keys, values, starts, column, decoder.scaling, layer).reshape(batch, heads * dim)
+        return kernel(q, cache.keys[layer], cache.values[layer], starts, column, decoder.scaling,
+                      layer).reshape(batch, heads * dim)  # fmt: skip
+    keys, values = cache.rows(layer, source)
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     if q.is_cuda:  # cuDNN's kernel, the default pick on Hopper, is slow for a handful of queries against a mask
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
@@ -306,4 +309,3 @@ def decode_attention(
     else:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=decoder.scaling)
     return out.reshape(batch, heads * dim)
-
