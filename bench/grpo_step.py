@@ -657,7 +657,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--slimrl-backend", default="auto", choices=("auto", "engine", "transformers"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shared-prefill", action="store_true",
-                        help="slimrl's engine prefills and caches each copy of a prompt (share_prompt_prefill off)")  # fmt: skip
+                        help="slimrl's engine prefills and caches every copy (share_prompt_prefill off)")  # fmt: skip
     parser.add_argument("--shared-prompt", action="store_true",
                         help="GRPO: also run slimrl's GRPO with shared_prompt_forward=True (side "
                         f"{SHARED_PROMPT_SIDE}) after slimrl's, and compare the two")  # fmt: skip

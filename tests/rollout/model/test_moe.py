@@ -146,10 +146,11 @@ def test_qwen3_moe_renormalised_top_k_and_a_rank_padded_for_the_grouped_gemm():
 def test_fused_decode_runs_attention_kernels_and_the_routed_experts(monkeypatch):
     # on CPU the Triton kernels run in the interpreter (tests/conftest.py); head dim 32 is the kernels' least
     from slimrl.rollout.fused_ops import FusedDecode
-    from slimrl.rollout.kernels import projections
+    from slimrl.rollout.kernels import projections, router
 
-    calls = {"qkv": 0, "gate_up": 0}
-    real_qkv, real_gate_up = projections.qkv_rope_cache, FusedDecode.gate_up
+    calls = {"qkv": 0, "gate_up": 0, "route": 0}
+    real_qkv, real_gate_up, real_route = projections.qkv_rope_cache, FusedDecode.gate_up, router.route
+    monkeypatch.setattr(router, "route", lambda *a, **k: calls.update(route=calls["route"] + 1) or real_route(*a, **k))
     monkeypatch.setattr(projections, "qkv_rope_cache", lambda *a, **k: calls.update(qkv=calls["qkv"] + 1) or
                         real_qkv(*a, **k))  # fmt: skip
     monkeypatch.setattr(FusedDecode, "gate_up", lambda *a, **k: calls.update(gate_up=calls["gate_up"] + 1) or
@@ -158,7 +159,8 @@ def test_fused_decode_runs_attention_kernels_and_the_routed_experts(monkeypatch)
     engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True)
     out = engine.generate(PROMPTS, GREEDY, max_new_tokens=5).completion_ids
     assert out == hf_greedy(model, PROMPTS, 5, eos_token_id=None)
-    assert calls["qkv"] > 0 and calls["gate_up"] == 0, calls
+    # the routers of the decode steps' sparse blocks ran as the fused kernel (the prefill's as the reference)
+    assert calls["qkv"] > 0 and calls["gate_up"] == 0 and calls["route"] == calls["qkv"], calls
 
 
 # -- the experts' LoRA factors staged once per rollout --------------------------------------------------------------
@@ -185,7 +187,7 @@ def test_staged_factors_are_refreshed_in_place_once_per_rollout():
         identity = staged.identity()
         staged.clear()
         staged.factors(lora_a, lora_b, experts, torch.bfloat16)
-        assert len(staged.identity()) == len(identity) == 1
+        assert len(staged.identity()) == len(identity) == 2  # the A and B buffers' addresses
 
 
 def test_the_engine_stages_during_generate_and_release_frees_them():
@@ -193,7 +195,8 @@ def test_the_engine_stages_during_generate_and_release_frees_them():
     engine = RolloutEngine(model)
     engine.generate(PROMPTS, GREEDY, max_new_tokens=4)
     layers = model.config.num_hidden_layers
-    assert engine.decoder.staged is None and len(engine.staged.entries) == 2 * layers  # gate_up and down per layer
+    # per layer: gate_up's and down's factors and the router's folded weight
+    assert engine.decoder.staged is None and len(engine.staged.entries) == 3 * layers
     engine.release()
     assert not engine.staged.entries
 

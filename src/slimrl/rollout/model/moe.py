@@ -87,7 +87,8 @@ def sparse_spec(mlp: nn.Module, staged: StagedFactors | None = None) -> SparseSp
                    for n in EXPERT_PARAMS]  # fmt: skip
     rounds = ROUTERS[type(router).__name__]
     normalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalises
-    weight = _folded_router(router.weight, router_wrappers[0] if router_wrappers else None)
+    wrapper = router_wrappers[0] if router_wrappers else None
+    weight = _folded_router(router.weight, wrapper) if staged is None else staged.router(router.weight, wrapper)
     return SparseSpec(weight, int(router.top_k), normalize, rounds, *projections)
 
 
@@ -172,7 +173,8 @@ def expert_layout(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, dtyp
 
 
 class StagedFactors:
-    """The experts' LoRA factors in `expert_layout`, kept between forwards and refreshed in place once per rollout
+    """The experts' LoRA factors in `expert_layout` (and the routers' folded weights, `router`), kept between
+    forwards and refreshed in place once per rollout
     instead of cast and permuted at every forward (on an H100 those copies were 39% of a Qwen3-MoE decode step: 12.9
     of 33 ms at batch 64, every replay of the captured graph repeating them). The engine calls `begin` at the start
     of each `generate` (adapters may have changed since: an optimizer step, a new adapter); the first forward of the
@@ -182,7 +184,7 @@ class StagedFactors:
 
     def __init__(self):
         self.rollout = 0
-        self.entries: dict = {}  # (id(lora_a), id(lora_b)) -> [source, rollout refreshed in, A, B]
+        self.entries: dict = {}  # key -> [source, rollout refreshed in, (held tensors)]
 
     def begin(self) -> None:
         self.rollout += 1
@@ -191,20 +193,31 @@ class StagedFactors:
         self.entries.clear()
 
     def identity(self) -> tuple:
-        return tuple((entry[2].data_ptr(), entry[3].data_ptr()) for entry in self.entries.values())
+        return tuple(t.data_ptr() for entry in self.entries.values() for t in entry[2])
 
-    def factors(self, lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, dtype) -> tuple:
-        key = (id(lora_a), id(lora_b))
-        source = (lora_a.data_ptr(), lora_b.data_ptr(), tuple(lora_a.shape), tuple(lora_b.shape), dtype)
+    def _held(self, key: tuple, source: tuple, make) -> tuple:
+        """The tensors `make()` returns, made once for `source` and copied into in place once per rollout."""
         entry = self.entries.get(key)
         if entry is None or entry[0] != source:
-            entry = self.entries[key] = [source, self.rollout, *expert_layout(lora_a, lora_b, experts, dtype)]
+            entry = self.entries[key] = [source, self.rollout, tuple(make())]
         elif entry[1] != self.rollout:
-            a, b = expert_layout(lora_a, lora_b, experts, dtype)
-            entry[2].copy_(a)
-            entry[3].copy_(b)
+            for held, fresh in zip(entry[2], make(), strict=True):
+                held.copy_(fresh)
             entry[1] = self.rollout
-        return entry[2], entry[3]
+        return entry[2]
+
+    def factors(self, lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, dtype) -> tuple:
+        source = (lora_a.data_ptr(), lora_b.data_ptr(), tuple(lora_a.shape), tuple(lora_b.shape), dtype)
+        return self._held((id(lora_a), id(lora_b)), source, lambda: expert_layout(lora_a, lora_b, experts, dtype))
+
+    def router(self, weight: torch.Tensor, wrapper) -> torch.Tensor:
+        """`_folded_router(weight, wrapper)`, the router weight with its adapters' delta, held like the factors (a
+        decode step would otherwise fold it again at every replay: four launches a layer)."""
+        factors = [] if wrapper is None else _active_factors(wrapper)
+        if not factors:
+            return weight
+        source = (weight.data_ptr(), weight.dtype, *((a.data_ptr(), b.data_ptr(), s) for a, b, s in factors))
+        return self._held(("router", id(weight)), source, lambda: (_folded_router(weight, wrapper),))[0]
 
 
 # -- the routed MLP -------------------------------------------------------------------------------------------------
@@ -229,12 +242,29 @@ def route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor
     return weights, experts
 
 
+def fused_route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`route` by `kernels.router` (one launch), or None where it cannot run (no Triton, not on CUDA outside Triton's
+    interpreter, operands it does not take)."""
+    from slimrl.rollout import kernels
+
+    if not kernels.available():
+        return None
+    from slimrl.rollout.kernels import router
+
+    if not router.fits(h, spec.router, spec.top_k):
+        return None
+    return router.route(h, spec.router, spec.top_k, spec.normalize, spec.round_weights)
+
+
 def routed_mlp(h: torch.Tensor, spec: SparseSpec, fused=None) -> torch.Tensor:
     """The sparse block's output [N, hidden] for its input h [N, hidden]. fused: the engine's `FusedDecode`
-    (`ops.fused`); bound to a decode step (its `context` set, never in a prefill) the experts run as `kernels.moe`'s
-    launches where those take the spec (deterministic when it is `ordered`), else as `expert_mix`."""
-    weights, experts = route(h, spec)
-    if fused is not None and fused.context is not None:
+    (`ops.fused`); bound to a decode step (its `context` set, never in a prefill) the router and the experts run as
+    `kernels.router`'s and `kernels.moe`'s launches where those take the spec (deterministic when it is `ordered`),
+    else as `route` and `expert_mix`."""
+    decoding = fused is not None and fused.context is not None
+    routed = fused_route(h, spec) if decoding else None
+    weights, experts = routed if routed is not None else route(h, spec)
+    if decoding:
         out = fused_expert_mix(h, weights, experts, spec, fused.ordered)
         if out is not None:
             return out
