@@ -85,10 +85,11 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 @triton.jit
 def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, S, BLOCKS, BM: tl.constexpr, E_PAD: tl.constexpr,
-                   CHUNK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """`routed_layout` in one program, CHUNK pairs at a time as [CHUNK, E_PAD] one-hot tiles: each expert's row
     count, its blocks and first slot (a scan over experts), then each pair's slot: its expert's first slot plus the
-    pairs of that expert before it."""
+    pairs of that expert before it. The padding's -1 is written FILL slots at a time (at Qwen3-30B-A3B's 128 experts
+    and 64 tokens, 160 blocks of 16 slots: 3 stores of 1,024 instead of 40 of CHUNK = 64)."""
     enter(PDL)
     ids = tl.arange(0, E_PAD)
     lanes = tl.arange(0, CHUNK)
@@ -104,8 +105,9 @@ def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, S, BLOCKS, BM: tl.c
         b = start + lanes
         owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
         tl.store(block_experts_ptr + b, tl.where(b < used, owner, -1), mask=b < BLOCKS)
-    for start in range(0, BLOCKS * BM, CHUNK):
-        tl.store(rows_ptr + start + lanes, tl.full([CHUNK], -1, tl.int32), mask=start + lanes < BLOCKS * BM)
+    fill = tl.arange(0, FILL)
+    for start in range(0, BLOCKS * BM, FILL):
+        tl.store(rows_ptr + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < BLOCKS * BM)
     tl.debug_barrier()  # the padding's -1 is out before any thread writes a pair over it
     seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed so far (stable: in pair order)
     for start in range(0, S, CHUNK):
@@ -128,7 +130,7 @@ def routed_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> Layo
     # one-hot tiles of about 8192 cells (at least 16 rows): few registers a thread, whatever the expert count
     _layout_kernel[(1,)](
         experts.reshape(-1).contiguous(), rows, block_experts, pairs, blocks, BM=block_m, E_PAD=e_pad,
-        CHUNK=max(16, min(128, 8192 // e_pad)), num_warps=8, **launch_options(experts.device),
+        CHUNK=max(16, min(128, 8192 // e_pad)), FILL=1024, num_warps=8, **launch_options(experts.device),
     )  # fmt: skip
     return Layout(rows, block_experts, block_m)
 

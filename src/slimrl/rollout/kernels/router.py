@@ -23,7 +23,7 @@ from slimrl.rollout.kernels.common import options as launch_options
 
 MAX_EXPERTS = 256  # the program holds a [BM, E_PAD] tile of logits
 BLOCK_M = 16
-BLOCK_K = 64
+BLOCK_K = 128  # a [E_PAD, BLOCK_K] weight tile a step: half the steps of 64 over a 2,048-wide hidden state
 
 
 @triton.jit
@@ -93,6 +93,6 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, ro
         h, h.stride(0), router, weights, ids, count, experts, hidden, TOP_K=top_k,
         K_PAD=max(2, triton.next_power_of_2(top_k)), BM=BLOCK_M, E_PAD=max(16, triton.next_power_of_2(experts)),
         BK=BLOCK_K, NORMALIZE=normalize, PRECISION=precision(h.dtype, False),
-        DOT_F32=interpreting(), num_warps=4, **launch_options(h.device),
+        DOT_F32=interpreting(), num_warps=8, **launch_options(h.device),
     )  # fmt: skip
     return weights, ids
