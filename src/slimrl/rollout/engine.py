@@ -163,11 +163,15 @@ class RolloutEngine:
 
     # -- one wave ------------------------------------------------------------------------------------------------
 
-    def _rows_that_fit(self, seq_len: int) -> int:
-        # the cache a wave gets has cache_length columns (rounded up to share graphs), so rows are counted at that
-        columns = planning.cache_length(seq_len, 0, self.max_seq_len)
+    def _rows_that_fit(self, prompt_length: int, longest_limit: int, distinct) -> int:
+        # the cache a wave gets has cache_length columns (rounded up to share graphs), so rows are counted at that;
+        # with the shared prompt cache, at its layout for the wave's distinct prompts
+        columns = planning.cache_length(prompt_length + longest_limit, 0, self.max_seq_len)
+        shared = None
+        if self.options.share_prompt_prefill and self.options.share_prompt_cache:
+            shared = planning.SharedPlan(prompt_length, longest_limit, distinct, self.max_seq_len)
         return planning.rows_that_fit(self.decoder, columns, self.max_batch_size, self.gpu_memory_utilization,
-                                      self.sessions.held_bytes())  # fmt: skip
+                                      self.sessions.held_bytes(), shared)  # fmt: skip
 
     def _session(self, batch: int, seq_len: int, params: SamplingParams, stop_ids, prefix) -> Session:
         key = (batch, seq_len, prefix, sampling_key(params), tuple(sorted(stop_ids)))

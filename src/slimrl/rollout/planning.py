@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -114,18 +115,66 @@ def rows_within_budget(total_bytes: int, allocated_bytes: int, held_bytes: int, 
     return max(0, int(budget // row_bytes))
 
 
+def shared_wave_bytes(decoder, rows: int, shared: SharedPlan) -> int | None:
+    """The device bytes of a wave of `rows` rows with the shared prompt cache: its distinct prompts (`shared.distinct`,
+    the idle rows' [pad] among them) in the prefix, each row its own columns and step buffers. None when the engine
+    would keep a copy per row (`shared_prefix`), whose bytes `bytes_per_row` counts."""
+    shape = shared_prefix(rows, shared.distinct(rows), shared.prompt_length, shared.longest_limit, shared.max_seq_len)
+    if shape is None:
+        return None
+    (prefix_rows, prefix_len), columns = shape
+    per_token = kv_bytes_per_token(decoder.num_layers, decoder.kv_heads, decoder.head_dim, decoder.dtype)
+    own = rows * ((columns - prefix_len) * per_token + 12 * columns + decoder.vocab_size * 16)
+    return prefix_rows * prefix_len * per_token + own
+
+
+class DistinctPrompts:
+    """How many distinct prompts a wave of its first `rows` rows holds, for the prompts still to come in wave order:
+    counted once, as far as asked; rows past the prompts are idle rows, which share one [pad] prompt."""
+
+    def __init__(self, prompts: list):
+        self.prompts, self.seen, self.counts = prompts, set(), [0]
+
+    def __call__(self, rows: int) -> int:
+        count = min(rows, len(self.prompts))
+        while len(self.counts) <= count:
+            self.seen.add(tuple(self.prompts[len(self.counts) - 1]))
+            self.counts.append(len(self.seen))
+        return self.counts[count] + (1 if rows > count else 0)
+
+
+class SharedPlan(NamedTuple):
+    """What `rows_that_fit` needs to count a wave with the shared prompt cache: the wave's longest prompt and
+    completion, the distinct prompts of its first rows (`DistinctPrompts`), the engine's limit."""
+
+    prompt_length: int
+    longest_limit: int
+    distinct: DistinctPrompts
+    max_seq_len: int
+
+
 def rows_that_fit(decoder, seq_len: int, max_batch_size: int, gpu_memory_utilization: float | None,
-                  held_bytes: int) -> int:  # fmt: skip
+                  held_bytes: int, shared: SharedPlan | None = None) -> int:  # fmt: skip
     """How many rows of this cache length fit the gpu_memory_utilization budget (`rows_within_budget`), rounded down
     to a bucket (a wave's cache has its bucket's rows, so 5 fitting rows make a wave of 4, not a cache of 8), at most
     max_batch_size; max_batch_size when there is no budget (None, or a device `device_memory` does not measure).
-    held_bytes: what the engine holds now that the new wave would free first (its current cache)."""
+    held_bytes: what the engine holds now that the new wave would free first (its current cache). shared: with the
+    shared prompt cache, a wave whose bound `shared_wave_bytes` fits takes that many rows even where copies per row
+    would not fit (the engine's cache is never larger than either count)."""
     memory = device_memory(decoder.device) if gpu_memory_utilization is not None else None
     if memory is None:
         return max_batch_size
     total, allocated = memory
     row_bytes = bytes_per_row(decoder, seq_len)
     rows = rows_within_budget(total, allocated, held_bytes, row_bytes, gpu_memory_utilization)
+    if shared is not None and rows < max_batch_size:
+        budget = gpu_memory_utilization * total - (allocated - held_bytes)
+        candidates = sorted({bucket_below(r) for r in range(rows + 1, max_batch_size + 1)}, reverse=True)
+        for candidate in (c for c in candidates if c > rows):
+            needed = shared_wave_bytes(decoder, candidate, shared)
+            if needed is not None and needed <= budget:
+                rows = candidate
+                break
     if rows < 1:
         in_use = (allocated - held_bytes) / 2**30
         raise ValueError(
@@ -140,12 +189,13 @@ def rows_that_fit(decoder, seq_len: int, max_batch_size: int, gpu_memory_utiliza
 
 def waves(order: list[int], prompts, limits: list[int], fit) -> Iterator[list[int]]:
     """Consecutive groups of `order` (prompt indices, longest first unless sampling draws in prompt order) that
-    `fit(seq_len)` rows each can hold; seq_len is the longest prompt plus the longest limit still to come, so a
-    wave's rows are never more than fit its cache."""
+    `fit(prompt_length, longest_limit, distinct)` rows each can hold: the longest prompt and the longest limit still
+    to come, and the distinct prompts of the next rows (`DistinctPrompts`), so a wave's rows are never more than fit
+    its cache."""
     start = 0
     while start < len(order):
         rest = order[start:]
-        seq_len = max(len(prompts[i]) for i in rest) + max(limits[i] for i in rest)
-        rows = fit(seq_len)
+        longest = max(len(prompts[i]) for i in rest), max(limits[i] for i in rest)
+        rows = fit(*longest, DistinctPrompts([prompts[i] for i in rest]))
         yield order[start : start + rows]
         start += rows
