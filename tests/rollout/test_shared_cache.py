@@ -25,8 +25,9 @@ NEW = 8
 
 
 def engines(model, **flags):
-    """The engine with the shared prompt cache and the engine with a copy per row."""
-    return RolloutEngine(model, **flags), RolloutEngine(model, share_prompt_cache=False, **flags)
+    """The engine with the shared prompt cache (asked for: on the CPU the default keeps a copy per row, which the
+    plain attention reads without a gather) and the engine with a copy per row."""
+    return tuple(RolloutEngine(model, share_prompt_cache=shared, **flags) for shared in (True, False))
 
 
 def prefix_of(engine) -> tuple[int, int]:
@@ -76,7 +77,7 @@ def test_seeded_sampling_and_waves_draw_what_the_copies_draw():
 
 def test_a_lora_update_reaches_the_next_rollout_through_the_shared_cache():
     model = with_lora(no_eos(build("qwen2")))
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, share_prompt_cache=True)
     before = engine.generate(ROWS, GREEDY, NEW).completion_ids
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -106,6 +107,17 @@ def test_short_prompts_keep_a_copy_per_row():
     assert planning.shared_prefix(16, 4, 150, 8, 512) == ((4, 256), 384)
     assert planning.shared_prefix(16, 16, 150, 8, 512) is None  # nothing shared
     model = with_lora(no_eos(build("llama")))
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, share_prompt_cache=True)
     engine.generate([[5, 6, 7]] * 8, GREEDY, 4)
     assert prefix_of(engine) == (0, 0)
+
+
+def test_by_default_the_cache_is_shared_where_the_attention_kernel_reads_it_in_place():
+    model = with_lora(no_eos(build("llama", num_attention_heads=2, num_key_value_heads=1, head_dim=32)))
+    assert RolloutEngine(model).describe()["share_prompt_cache"] is False  # the CPU's SDPA would gather the rows
+    kernel = RolloutEngine(model.to(KERNEL_DEVICE), max_seq_len=512, triton_attention=True)
+    assert kernel.describe()["share_prompt_cache"] is True
+    odd = with_lora(no_eos(build("llama", num_attention_heads=2, num_key_value_heads=1, head_dim=24)))
+    assert RolloutEngine(odd.to(KERNEL_DEVICE), triton_attention=True).options.share_prompt_cache is False
+    capped = with_lora(no_eos(build("gemma2")))  # soft-capped scores: eager attention over gathered rows
+    assert RolloutEngine(capped.to(KERNEL_DEVICE), triton_attention=True).options.share_prompt_cache is False

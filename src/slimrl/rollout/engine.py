@@ -99,6 +99,8 @@ class RolloutEngine:
         pad = getattr(generation_config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids or [0])[0]
         self.runner = Runner(self.decoder, self.options, self.pad_token_id, tokenizer)
+        if self.options.share_prompt_cache is None:  # on where the attention reads the prompt's copy in place
+            self.options.share_prompt_cache = self.runner.reads_prefix_in_place()
         self.sessions = Sessions()
         self.last_stats: dict = {}
 

@@ -51,7 +51,10 @@ class EngineOptions:
     share_prompt_cache: with share_prompt_prefill, the cache holds each distinct prompt's K/V once (a shared prefix,
         `kv_cache`) and each row only its completion's, when that is fewer columns than a copy per row (the prompt
         columns are rounded up to 128): cache memory for long prompts falls by the copies per prompt. The
-        attention reads the prompt's columns from the one copy; same math, so the same completions. Default on.
+        attention reads the prompt's columns from the one copy; same math, so the same completions. Default (None):
+        on where the Triton decode attention reads the copy in place (`Runner.reads_prefix_in_place`: CUDA, a
+        power-of-two head dim, no soft-capped scores); elsewhere the plain attention would gather the rows into a
+        new tensor at every step and layer, so a copy per row is kept unless this is True.
     kernel_choices: the fused kernels' launch settings, {group: {row bucket: fused_ops.KernelChoice}}; None loads
         `rollout/tuned/<GPU name>.json` (written by bench/tune_decode.py).
     """
@@ -65,7 +68,7 @@ class EngineOptions:
     fused_sampling: bool | None = None
     deterministic: bool = False
     share_prompt_prefill: bool = True
-    share_prompt_cache: bool = True
+    share_prompt_cache: bool | None = None
     kernel_choices: dict | None = None
     choices_file: str | None = dataclasses.field(default=None, repr=False)  # where kernel_choices came from
 

@@ -62,6 +62,13 @@ class Runner:
             self.fused = FusedDecode(d.heads, d.kv_heads, d.head_dim, ops.add_lora, tf32=options.tf32_adapters,
                                      ordered=options.deterministic, choices=options.kernel_choices)  # fmt: skip
 
+    def reads_prefix_in_place(self) -> bool:
+        """Whether the decode step's attention reads a shared prompt cache's prefix where it lies (the Triton kernel);
+        the plain paths (SDPA, soft-capped scores) gather each row's prompt into a new tensor (`StaticKVCache.rows`)."""
+        d = self.decoder
+        kernel = self.attention is not None and self.attention.can_run(d.head_dim, d.dtype)
+        return kernel and d.recipe.attn_softcap is None
+
     def fused_sampling_applies(self, params: SamplingParams) -> bool:
         return self.sampler is not None and self.sampler.applies(params)
 
