@@ -86,8 +86,7 @@ class Runner:
         if session.prefix_len:  # the shared prompt cache: each distinct prompt's K/V go to its one prefix row
             if members is None or len(distinct) > session.prefix_rows:
                 raise RuntimeError("a session with a shared prompt cache needs the wave's prompts grouped to fit it")
-            source = torch.tensor([j for _, j in sorted((r, j) for j, rows in enumerate(members) for r in rows)])
-            session.source.copy_(source)
+            session.source.copy_(torch.tensor(row_sources(members)))
             logits = self._prefill_rows(session, distinct, length, block, PrefixRows(session.cache))
             return logits.index_select(0, session.source)
         if members is None or len(distinct) == len(rows):
@@ -280,6 +279,15 @@ def group_rows(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int
     return [prompts[rows[0]] for rows in members], members
 
 
+def row_sources(members: list[list[int]]) -> list[int]:
+    """Each row's distinct prompt (its index in `members`, the rows of each distinct prompt)."""
+    source = [0] * sum(map(len, members))
+    for j, rows in enumerate(members):
+        for row in rows:
+            source[row] = j
+    return source
+
+
 class SharedRows:
     """The cache as a prefill of distinct prompts sees it: the K/V of distinct prompt j go into every cache row of
     `members[j]`. `source` (int64 [batch], on the device) is each row's distinct prompt.
@@ -290,11 +298,7 @@ class SharedRows:
 
     def __init__(self, cache, members: list[list[int]], block: int, device: torch.device):
         self.cache = cache
-        source = [0] * sum(map(len, members))
-        for j, rows in enumerate(members):
-            for row in rows:
-                source[row] = j
-        indices = [source]  # every index list, copied to the device together
+        indices = [row_sources(members)]  # every index list, copied to the device together
         plan = {}  # block start -> per round (position in `indices` of the picked prompts or None, of the rows)
         for start in range(0, len(members), block):
             groups, plan[start] = members[start : start + block], []
