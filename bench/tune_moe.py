@@ -5,7 +5,10 @@ layout: rank 128 on gate_up, 64 on down): each candidate's output is checked aga
 routed experts' weights and LoRA factors, once) turned into an effective bandwidth. Report only: the defaults are
 changed by hand from what it finds.
 
-    python bench/tune_moe.py $OUT/tune_moe.json [--tokens 64 256] [--ordered 1 0]
+    python bench/tune_moe.py $OUT/tune_moe.json [--tokens 64 256] [--ordered 1 0] [--breakdown]
+
+--breakdown adds each launch's device time (a profile of graph replays, PDL off so that no kernel's time includes
+its wait for the one before) for the default and the best candidate.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import common  # noqa: E402 - bench/common.py
+
 EXPERTS, TOP_K, HIDDEN, INNER, RANK_GATE_UP, RANK_DOWN = 128, 8, 2048, 768, 128, 64
-CANDIDATES = {"block_n": (32, 64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
+CANDIDATES = {"block_n": (32, 64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4),
+              "block_r": (32, 64, 128)}
 
 
 def layer(seed: int = 0):
@@ -54,7 +63,7 @@ def timed(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50)  # ms
 
 
-def measure_case(kernels, moe, spec, tokens: int, ordered: bool) -> dict:
+def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool = False) -> dict:
     """The reference's time and every candidate's check and time at `tokens` decode rows."""
     h, weights, experts = routing(tokens)
     gate_up, down = spec.gate_up.weight, spec.down.weight
@@ -84,7 +93,31 @@ def measure_case(kernels, moe, spec, tokens: int, ordered: bool) -> dict:
     default = kernels.MoELaunch()
     rows["default"] = next((c for c in rows["candidates"] if all(c[k] == getattr(default, k) for k in CANDIDATES)),
                            None)  # fmt: skip
+    if breakdown:
+        for name in ("default", "best"):
+            if rows[name] is not None:
+                settings = {k: rows[name][k] for k in CANDIDATES}
+                rows[f"{name}_launches"] = launches(functools.partial(
+                    kernels.routed_experts, h, weights, experts, gate_up, down, gate_up_lora, down_lora, ordered,
+                    kernels.MoELaunch(**settings)))  # fmt: skip
     return rows
+
+
+def launches(run) -> list[dict]:
+    """Device time of each kernel of one `run()` (mean of 10, replayed from a CUDA graph), PDL off."""
+    from slimrl.rollout.kernels import common as launch
+
+    saved, launch.MODE = launch.MODE, 0
+    try:
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        rows = common.kernel_profile(lambda: [graph.replay() for _ in range(10)], cuda=True, repeats=10)
+    finally:
+        launch.MODE = saved
+    return [{"us": round(t, 2), "n": n, "kernel": k} for t, n, k in rows]
 
 
 def main(argv=None) -> dict:
@@ -95,6 +128,7 @@ def main(argv=None) -> dict:
     parser.add_argument("out")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--ordered", type=int, nargs="+", default=[1, 0])
+    parser.add_argument("--breakdown", action="store_true", help="per-launch device times of default and best")
     args = parser.parse_args(argv)
     gate_up, down, gate_up_lora, down_lora = layer()
     router = torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16, device="cuda")  # (the routing is drawn, not computed)
@@ -106,7 +140,7 @@ def main(argv=None) -> dict:
                         "ranks": [RANK_GATE_UP, RANK_DOWN]}}  # fmt: skip
     for tokens, ordered in itertools.product(args.tokens, args.ordered):
         with torch.no_grad():
-            rows = measure_case(kernels, moe, spec, tokens, bool(ordered))
+            rows = measure_case(kernels, moe, spec, tokens, bool(ordered), args.breakdown)
         key = f"tokens{tokens}_{'ordered' if ordered else 'atomic'}"
         report["results"][key] = rows
         print(json.dumps({key: {k: rows[k] for k in ("reference_ms", "best", "default")}}), flush=True)

@@ -21,10 +21,10 @@ def spec(g, experts: int, top_k: int, hidden: int, dtype, normalize: bool, round
 
 
 def assert_same_routing(got, h, s: moe.SparseSpec) -> None:
-    """The reference's experts, largest first, and its weights to the dtype's rounding. In bf16 a token may pick
-    otherwise where two experts' probabilities lie within the logits' rounding (the kernel sums the logits in
-    another order than the reference's GEMM, which can move a logit by one bf16 step): there the kernel's picks must
-    still be a top k of the reference's probabilities to that rounding (at 128 experts, a few tokens in ten)."""
+    """The reference's experts, largest first, and its weights to the dtype's rounding. The logits are the
+    reference's GEMM's; the kernel's softmax may round otherwise than torch's, so in bf16, where two experts' logits
+    are often equal, a token may pick otherwise between probabilities tied to that rounding: there the kernel's
+    picks must still be a top k of the reference's probabilities to the dtype's rounding."""
     weights, ids = got
     ref_weights, ref_ids = moe.route(h, s)
     assert weights.dtype == ref_weights.dtype and ids.dtype == ref_ids.dtype == torch.int64

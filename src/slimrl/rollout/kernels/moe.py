@@ -6,9 +6,9 @@ grouped GEMMs there cost about 1.7x the time of reading the weights (docs/benchm
 Here every program owns one row block of one expert and a tile of output columns, so an expert's weight tile is
 read by one program (two or more only for an expert with more routed rows than a block holds):
 
-1. `_layout_kernel` (one program): the routed pairs sorted by expert, stably (pair order within an expert), each
-   expert's rows padded to whole blocks of BM; which expert each block belongs to (-1: unused; the grid is sized
-   for the most blocks any routing can need, `max_blocks`, so that it does not depend on the routing).
+1. `_layout_kernel` (a program per expert): the routed pairs sorted by expert, stably (pair order within an
+   expert), each expert's rows padded to whole blocks of BM; which expert each block belongs to (-1: unused; the
+   grid is sized for the most blocks any routing can need, `max_blocks`, so that it does not depend on the routing).
 2. `_shrink_kernel`: LoRA's first product x A_eᵀ of each block's rows, fp32, into a workspace [slots, R_PAD]. A
    launch of its own rather than recomputed in each column tile of the next kernel: Qwen3-30B-A3B's gate/up rank
    is 128 over 2048 inputs, which twelve column tiles would each read again.
@@ -21,7 +21,7 @@ read by one program (two or more only for an expert with more routed rows than a
 
 Rounding follows `model.moe.expert_mix` (the reference): each GEMM's output rounded to the weight dtype, LoRA as
 peft adds it with factors in the weight dtype, SiLU and the product rounded as eager does, the weighted product in
-the dtype torch promotes to. Only summation order differs. Launch settings are untuned defaults (`MoELaunch`).
+the dtype torch promotes to. Only summation order differs. Launch settings: `MoELaunch` (bench/tune_moe.py).
 Import this module only where Triton may be used: it imports triton at import time.
 """
 
@@ -46,13 +46,14 @@ MAX_RANK = 256  # the LoRA epilogue holds a [BM, R_PAD] tile of the shrink per p
 @dataclass(frozen=True)
 class MoELaunch:
     """Launch settings: rows per block (0: by the mean rows per expert, `block_rows`), output columns per program
-    (gate/up: of each of the pair), K step, rank columns per shrink program, warps and pipeline stages. Untuned
-    defaults (chosen without a GPU at hand); bench/tune_decode.py does not cover them yet."""
+    (gate/up: of each of the pair), K step, rank columns per shrink program, warps and pipeline stages. The
+    defaults are bench/tune_moe.py's fastest at Qwen3-30B-A3B's layer and 64 tokens on an H100, atomic and ordered
+    (docs/bench/issue33/tune_moe_*.json: 0.488 ms a layer against 0.503 ms with the first, untuned ones)."""
 
     block_m: int = 0
-    block_n: int = 64
-    block_k: int = 64
-    block_r: int = 32
+    block_n: int = 32
+    block_k: int = 128
+    block_r: int = 128
     num_warps: int = 4
     num_stages: int = 3
 
@@ -86,51 +87,63 @@ def _pow2(n: int, floor: int = 16) -> int:
 @triton.jit
 def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, S, BLOCKS, BM: tl.constexpr, E_PAD: tl.constexpr,
                    CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """`routed_layout` in one program, CHUNK pairs at a time as [CHUNK, E_PAD] one-hot tiles: each expert's row
-    count, its blocks and first slot (a scan over experts), then each pair's slot: its expert's first slot plus the
-    pairs of that expert before it. The padding's -1 is written FILL slots at a time (at Qwen3-30B-A3B's 128 experts
-    and 64 tokens, 160 blocks of 16 slots: 3 stores of 1,024 instead of 40 of CHUNK = 64)."""
+    """`routed_layout`, program e placing expert e's pairs. Every program counts all experts' pairs (a histogram
+    of the ids, CHUNK at a time), so it knows where expert e's blocks begin (a scan of the experts' block counts)
+    without waiting for another program; it then writes its blocks' owner, its pairs at their slots in pair order
+    (stable: a scan of "this pair is e's" over the pairs) and -1 in the rest of its last block. Program 0 also
+    marks the blocks no expert uses (owner -1, slots -1, FILL slots a store). Nothing here depends on another
+    program's writes: no ordering between programs is needed. (One program doing all experts in sequence took 26
+    us a layer on an H100 at Qwen3-30B-A3B's 64 tokens x 8 of 128 experts; 5% of the sparse block.)"""
     enter(PDL)
+    me = tl.program_id(0)
     ids = tl.arange(0, E_PAD)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)  # routed pairs per expert
     for start in range(0, S, CHUNK):
-        expert = tl.load(experts_ptr + start + lanes, mask=start + lanes < S, other=-1).to(tl.int32)
-        counts += tl.sum((expert[:, None] == ids[None, :]).to(tl.int32), axis=0)
+        valid = start + lanes < S
+        expert = tl.load(experts_ptr + start + lanes, mask=valid, other=0).to(tl.int32)
+        # lanes past S read expert 0: take them back out of bin 0
+        missing = tl.sum((valid == 0).to(tl.int32), axis=0)
+        counts += tl.histogram(expert, E_PAD) - tl.where(ids == 0, missing, 0)
     blocks = (counts + BM - 1) // BM
-    ends = tl.cumsum(blocks, axis=0)  # each expert's blocks end here (an unrouted expert's where the last one's do)
-    first = (ends - blocks) * BM  # each expert's first slot
-    used = tl.sum(blocks, axis=0)
-    for start in range(0, BLOCKS, CHUNK):  # block b's expert: how many experts' blocks end at or before b
-        b = start + lanes
-        owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + b, tl.where(b < used, owner, -1), mask=b < BLOCKS)
-    fill = tl.arange(0, FILL)
-    for start in range(0, BLOCKS * BM, FILL):
-        tl.store(rows_ptr + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < BLOCKS * BM)
-    tl.debug_barrier()  # the padding's -1 is out before any thread writes a pair over it
-    seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed so far (stable: in pair order)
+    ends = tl.cumsum(blocks, axis=0)  # each expert's blocks end here
+    mine = ids == me
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    own_blocks = tl.sum(tl.where(mine, blocks, 0), axis=0)
+    first_block = tl.sum(tl.where(mine, ends, 0), axis=0) - own_blocks
+    first = first_block * BM  # this expert's first slot
+    owner = tl.full([CHUNK], 0, tl.int32) + me
+    for b in range(0, own_blocks, CHUNK):
+        tl.store(block_experts_ptr + first_block + b + lanes, owner, mask=b + lanes < own_blocks)
+    seen = tl.full([], 0, tl.int32)  # this expert's pairs placed so far
     for start in range(0, S, CHUNK):
         pair = start + lanes
-        expert = tl.load(experts_ptr + pair, mask=pair < S, other=-1).to(tl.int32)
-        hit = (expert[:, None] == ids[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hit, axis=0) - hit  # this chunk's earlier pairs of the same expert
-        slot = tl.sum(hit * (earlier + seen[None, :] + first[None, :]), axis=1)
-        tl.store(rows_ptr + slot, pair, mask=pair < S)
+        hit = (tl.load(experts_ptr + pair, mask=pair < S, other=-1).to(tl.int32) == me).to(tl.int32)
+        rank = seen + tl.cumsum(hit, axis=0) - hit
+        tl.store(rows_ptr + first + rank, pair, mask=hit > 0)
         seen += tl.sum(hit, axis=0)
+    pad = tl.arange(0, BM)
+    tl.store(rows_ptr + first + count + pad, tl.full([BM], -1, tl.int32), mask=pad < own_blocks * BM - count)
+    if me == 0:
+        used = tl.sum(blocks, axis=0)
+        for b in range(used, BLOCKS, CHUNK):
+            tl.store(block_experts_ptr + b + lanes, tl.full([CHUNK], -1, tl.int32), mask=b + lanes < BLOCKS)
+        fill = tl.arange(0, FILL)
+        for start in range(used * BM, BLOCKS * BM, FILL):
+            tl.store(rows_ptr + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < BLOCKS * BM)
 
 
 def routed_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> Layout:
-    """The pairs of experts [N, k] (expert ids, any integer dtype) grouped by expert, on the device, in one launch."""
+    """The pairs of experts [N, k] (expert ids, any integer dtype) grouped by expert, on the device, in one launch
+    of one program per expert."""
     pairs = experts.numel()
     blocks = max_blocks(pairs, num_experts, block_m)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=experts.device)
     block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
-    e_pad = _pow2(num_experts)
-    # one-hot tiles of about 8192 cells (at least 16 rows): few registers a thread, whatever the expert count
-    _layout_kernel[(1,)](
-        experts.reshape(-1).contiguous(), rows, block_experts, pairs, blocks, BM=block_m, E_PAD=e_pad,
-        CHUNK=max(16, min(128, 8192 // e_pad)), FILL=1024, num_warps=8, **launch_options(experts.device),
+    # chunks of at least one id per thread of the 4 warps, at most 1,024 ids (a decode step's 64 x 8 take one)
+    _layout_kernel[(num_experts,)](
+        experts.reshape(-1).contiguous(), rows, block_experts, pairs, blocks, BM=block_m, E_PAD=_pow2(num_experts),
+        CHUNK=min(1024, _pow2(pairs, 128)), FILL=1024, num_warps=4, **launch_options(experts.device),
     )  # fmt: skip
     return Layout(rows, block_experts, block_m)
 

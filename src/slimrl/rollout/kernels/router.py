@@ -1,54 +1,44 @@
-"""A sparse block's top-k router (Qwen3-MoE, Mixtral) in one Triton launch for the decode step: router logits, their
-softmax in fp32, the top k, renormalised and rounded as the model's router does.
+"""A sparse block's top-k router (Qwen3-MoE, Mixtral) for the decode step in two launches: the router logits by
+`F.linear` (cuBLAS), then one Triton launch for their softmax in fp32, the top k, renormalised and rounded as the
+model's router does.
 
 The reference, `model.moe.route`, is six launches (the logits GEMM, softmax, top-k, sum, division, cast); at a decode
-step of a few dozen tokens each costs more in launch and latency than its work (E = 128 experts of 2,048 inputs is a
-512 KiB weight). Here a program owns BM tokens: it accumulates their logits over the hidden size in fp32, rounds them
-to the input's dtype (what `F.linear` returns), takes the softmax over the experts in fp32 and picks the k largest
-probabilities one after the other, largest first (as `torch.topk` returns them; on equal probabilities the lower
-expert id, where torch's order is unspecified). Renormalising divides by their fp32 sum; Qwen3-MoE then rounds the
-weights to the logits' dtype. Only the order of the logits' summation differs from the reference's.
+step of a few dozen tokens each costs more in launch and latency than its work. The logits are the reference's own
+call (the same GEMM on the same operands: the same logits, bit for bit); a GEMM of E = 128 experts by 2,048 inputs
+done in one Triton program per 16 tokens (the previous design) read the 512 KiB weight on 4 SMs at Qwen3-30B-A3B's
+64 tokens, 14 us a layer on an H100. Here a program owns BM tokens' logits: the softmax over the experts in fp32, then
+the k largest probabilities one after the other, largest first (as `torch.topk` returns them; on equal
+probabilities the lower expert id, where torch's order is unspecified). Renormalising divides by their fp32 sum;
+Qwen3-MoE then rounds the weights to the logits' dtype. Only the softmax's exp and sum may round otherwise than
+torch's (a pick can differ only where two probabilities tie to fp32's rounding).
 Import this module only where Triton may be used.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slimrl.rollout.kernels import interpreting, runs_here
-from slimrl.rollout.kernels.common import enter, precision, round_to
+from slimrl.rollout.kernels import runs_here
+from slimrl.rollout.kernels.common import enter
 from slimrl.rollout.kernels.common import options as launch_options
 
 MAX_EXPERTS = 256  # the program holds a [BM, E_PAD] tile of logits
-BLOCK_M = 16
-BLOCK_K = 128  # a [E_PAD, BLOCK_K] weight tile a step: half the steps of 64 over a 2,048-wide hidden state
+BLOCK_M = 8
 
 
 @triton.jit
-def _route_kernel(h_ptr, stride_hm, w_ptr, weights_ptr, experts_ptr, N, E, K, TOP_K: tl.constexpr,
-                  K_PAD: tl.constexpr, BM: tl.constexpr, E_PAD: tl.constexpr, BK: tl.constexpr,
-                  NORMALIZE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
+def _top_k_kernel(logits_ptr, weights_ptr, experts_ptr, N, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_e = tl.arange(0, E_PAD)
     m_ok = offs_m < N
     e_ok = offs_e < E
-    acc = tl.zeros((BM, E_PAD), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < K
-        x = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + offs_e[:, None] * K + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:  # Triton's interpreter multiplies half-precision tiles wrongly; their fp32 products are exact
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    logits = round_to(acc, h_ptr.dtype.element_ty)  # F.linear's output, in the input's dtype
-    logits = tl.where(e_ok[None, :], logits, float("-inf"))
+    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=m_ok[:, None] & e_ok[None, :],
+                     other=float("-inf")).to(tl.float32)  # fmt: skip
     top = tl.max(logits, axis=1)
     p = tl.exp(logits - top[:, None])
     probs = p / tl.sum(p, axis=1)[:, None]
@@ -85,14 +75,13 @@ def fits(h: torch.Tensor, router: torch.Tensor, top_k: int) -> bool:
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, round_weights: bool) -> tuple:
     """(routing weights [N, k], expert ids [N, k] int64) of h [N, H], as `model.moe.route`: weights in h's dtype when
     round_weights (Qwen3-MoE; the store rounds them), else fp32 (Mixtral); largest first."""
-    count, hidden = h.shape
-    experts = router.shape[0]
+    logits = F.linear(h, router).contiguous()  # the reference's logits, in h's dtype
+    count, experts = logits.shape
     weights = torch.empty(count, top_k, dtype=h.dtype if round_weights else torch.float32, device=h.device)
     ids = torch.empty(count, top_k, dtype=torch.int64, device=h.device)
-    _route_kernel[(triton.cdiv(count, BLOCK_M),)](
-        h, h.stride(0), router, weights, ids, count, experts, hidden, TOP_K=top_k,
-        K_PAD=max(2, triton.next_power_of_2(top_k)), BM=BLOCK_M, E_PAD=max(16, triton.next_power_of_2(experts)),
-        BK=BLOCK_K, NORMALIZE=normalize, PRECISION=precision(h.dtype, False),
-        DOT_F32=interpreting(), num_warps=8, **launch_options(h.device),
+    _top_k_kernel[(triton.cdiv(count, BLOCK_M),)](
+        logits, weights, ids, count, experts, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BM=BLOCK_M,
+        E_PAD=max(16, triton.next_power_of_2(experts)), NORMALIZE=normalize, num_warps=4,
+        **launch_options(h.device),
     )  # fmt: skip
     return weights, ids
