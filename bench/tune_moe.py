@@ -5,7 +5,7 @@ layout: rank 128 on gate_up, 64 on down): each candidate's output is checked aga
 routed experts' weights and LoRA factors, once) turned into an effective bandwidth. Report only: the defaults are
 changed by hand from what it finds.
 
-    python bench/tune_moe.py $OUT/tune_moe.json [--tokens 64 256] [--ordered 1 0] [--breakdown]
+    python bench/tune_moe.py $OUT/tune_moe.json [--tokens 64 256] [--ordered 1 0] [--breakdown] [--default-only]
 
 --breakdown adds each launch's device time (a profile of graph replays, PDL off so that no kernel's time includes
 its wait for the one before) for the default and the best candidate.
@@ -63,7 +63,8 @@ def timed(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50)  # ms
 
 
-def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool = False) -> dict:
+def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool = False,
+                 candidates: dict = CANDIDATES) -> dict:  # fmt: skip
     """The reference's time and every candidate's check and time at `tokens` decode rows."""
     h, weights, experts = routing(tokens)
     gate_up, down = spec.gate_up.weight, spec.down.weight
@@ -72,8 +73,8 @@ def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool
     nbytes = bytes_read(experts, [gate_up, down, *gate_up_lora[:2], *down_lora[:2]])
     rows = {"reference_ms": round(timed(functools.partial(moe.expert_mix, h, weights, experts, spec)), 4),
             "bytes": nbytes, "candidates": []}  # fmt: skip
-    for values in itertools.product(*CANDIDATES.values()):
-        entry = dict(zip(CANDIDATES, values, strict=True))
+    for values in itertools.product(*candidates.values()):
+        entry = dict(zip(candidates, values, strict=True))
         run = functools.partial(kernels.routed_experts, h, weights, experts, gate_up, down, gate_up_lora, down_lora,
                                 ordered, kernels.MoELaunch(**entry))  # fmt: skip
         try:
@@ -129,6 +130,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--ordered", type=int, nargs="+", default=[1, 0])
     parser.add_argument("--breakdown", action="store_true", help="per-launch device times of default and best")
+    parser.add_argument("--default-only", action="store_true", help="time MoELaunch's defaults alone")
     args = parser.parse_args(argv)
     gate_up, down, gate_up_lora, down_lora = layer()
     router = torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16, device="cuda")  # (the routing is drawn, not computed)
@@ -140,7 +142,9 @@ def main(argv=None) -> dict:
                         "ranks": [RANK_GATE_UP, RANK_DOWN]}}  # fmt: skip
     for tokens, ordered in itertools.product(args.tokens, args.ordered):
         with torch.no_grad():
-            rows = measure_case(kernels, moe, spec, tokens, bool(ordered), args.breakdown)
+            default = kernels.MoELaunch()
+            candidates = {k: (getattr(default, k),) for k in CANDIDATES} if args.default_only else CANDIDATES
+            rows = measure_case(kernels, moe, spec, tokens, bool(ordered), args.breakdown, candidates)
         key = f"tokens{tokens}_{'ordered' if ordered else 'atomic'}"
         report["results"][key] = rows
         print(json.dumps({key: {k: rows[k] for k in ("reference_ms", "best", "default")}}), flush=True)
