@@ -98,7 +98,7 @@ def left_pad(prompts, pad=0):
 
 
 def hf_greedy(model, prompts, new_tokens, **kwargs):
-    ids, mask = left_pad(prompts)
+    ids, mask = (t.to(model.device) for t in left_pad(prompts))
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs

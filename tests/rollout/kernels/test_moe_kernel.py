@@ -79,6 +79,18 @@ def test_layout_of_every_pair_on_one_expert():
     assert layout.rows[:34].tolist() == list(range(34)) and set(layout.rows[34:].tolist()) == {-1}
 
 
+@pytest.mark.parametrize("values", [5, 20000])
+def test_layout_launch_zeroes_the_accumulator_it_is_given(values):
+    # the 7 experts' programs share the values: 5 (one each, the last two none), 20,000 (2,858 each, three stores of
+    # 1,024, the last share shorter); the layout is the one without an accumulator
+    experts = torch.tensor([[3, 0], [3, 1], [0, 6]], device=DEVICE)
+    accumulator = torch.full((values,), float("nan"), device=DEVICE)
+    layout = moe_kernels.routed_layout(experts, 7, 2, accumulator)
+    assert torch.equal(accumulator, torch.zeros_like(accumulator))
+    plain = moe_kernels.routed_layout(experts, 7, 2)
+    assert torch.equal(layout.rows, plain.rows) and torch.equal(layout.block_experts, plain.block_experts)
+
+
 # -- against the reference -------------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from slimrl.rollout.model import moe
 from slimrl.rollout.model.llama import Decoder
 from slimrl.rollout.model.views import supports
 from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, step_the_adapter, with_lora
+from tests.rollout.kernels.builders import DEVICE
 from tests.tolerances import assert_close
 
 ATTENTION_AND_ROUTER = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"]  # peft puts "gate" on the router weight
@@ -144,7 +145,8 @@ def test_qwen3_moe_renormalised_top_k_and_a_rank_padded_for_the_grouped_gemm():
 
 
 def test_fused_decode_runs_attention_kernels_and_the_routed_experts(monkeypatch):
-    # on CPU the Triton kernels run in the interpreter (tests/conftest.py); head dim 32 is the kernels' least
+    # on CPU the Triton kernels run in the interpreter (tests/conftest.py), on a GPU machine compiled (the model on
+    # the GPU, fp32 without TF32: the same greedy tokens); head dim 32 is the kernels' least
     from slimrl.rollout.fused_ops import FusedDecode
     from slimrl.rollout.kernels import projections, router
 
@@ -156,6 +158,7 @@ def test_fused_decode_runs_attention_kernels_and_the_routed_experts(monkeypatch)
     monkeypatch.setattr(FusedDecode, "gate_up", lambda *a, **k: calls.update(gate_up=calls["gate_up"] + 1) or
                         real_gate_up(*a, **k))  # fmt: skip
     model = with_lora(no_eos(build("qwen3_moe", num_attention_heads=2, num_key_value_heads=1, head_dim=32)))
+    model.to(DEVICE)
     engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True)
     out = engine.generate(PROMPTS, GREEDY, max_new_tokens=5).completion_ids
     assert out == hf_greedy(model, PROMPTS, 5, eos_token_id=None)

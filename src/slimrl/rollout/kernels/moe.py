@@ -85,17 +85,22 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 @triton.jit
-def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, S, BLOCKS, BM: tl.constexpr, E_PAD: tl.constexpr,
-                   CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, zero_ptr, ZEROS, S, BLOCKS, BM: tl.constexpr,
+                   E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """`routed_layout`, program e placing expert e's pairs. Every program counts all experts' pairs (a histogram
     of the ids, CHUNK at a time), so it knows where expert e's blocks begin (a scan of the experts' block counts)
     without waiting for another program; it then writes its blocks' owner, its pairs at their slots in pair order
     (stable: a scan of "this pair is e's" over the pairs) and -1 in the rest of its last block. Program 0 also
     marks the blocks no expert uses (owner -1, slots -1, FILL slots a store). Nothing here depends on another
     program's writes: no ordering between programs is needed. (One program doing all experts in sequence took 26
-    us a layer on an H100 at Qwen3-30B-A3B's 64 tokens x 8 of 128 experts; 5% of the sparse block.)"""
+    us a layer on an H100 at Qwen3-30B-A3B's 64 tokens x 8 of 128 experts; 5% of the sparse block.) The programs
+    also zero the ZEROS fp32 values at zero_ptr (the down kernel's accumulator, an fp32 fill launch otherwise)."""
     enter(PDL)
     me = tl.program_id(0)
+    fill = tl.arange(0, FILL)
+    share = tl.cdiv(ZEROS, tl.num_programs(0))
+    for start in range(me * share, tl.minimum(ZEROS, me * share + share), FILL):
+        tl.store(zero_ptr + start + fill, tl.zeros([FILL], tl.float32), mask=start + fill < ZEROS)
     ids = tl.arange(0, E_PAD)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)  # routed pairs per expert
@@ -128,21 +133,21 @@ def _layout_kernel(experts_ptr, rows_ptr, block_experts_ptr, S, BLOCKS, BM: tl.c
         used = tl.sum(blocks, axis=0)
         for b in range(used, BLOCKS, CHUNK):
             tl.store(block_experts_ptr + b + lanes, tl.full([CHUNK], -1, tl.int32), mask=b + lanes < BLOCKS)
-        fill = tl.arange(0, FILL)
         for start in range(used * BM, BLOCKS * BM, FILL):
             tl.store(rows_ptr + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < BLOCKS * BM)
 
 
-def routed_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> Layout:
+def routed_layout(experts: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None) -> Layout:
     """The pairs of experts [N, k] (expert ids, any integer dtype) grouped by expert, on the device, in one launch
-    of one program per expert."""
+    of one program per expert; `zero` (contiguous fp32), if given, is zeroed by the same launch."""
     pairs = experts.numel()
     blocks = max_blocks(pairs, num_experts, block_m)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=experts.device)
     block_experts = torch.empty(blocks, dtype=torch.int32, device=experts.device)
     # chunks of at least one id per thread of the 4 warps, at most 1,024 ids (a decode step's 64 x 8 take one)
     _layout_kernel[(num_experts,)](
-        experts.reshape(-1).contiguous(), rows, block_experts, pairs, blocks, BM=block_m, E_PAD=_pow2(num_experts),
+        experts.reshape(-1).contiguous(), rows, block_experts, rows if zero is None else zero,
+        0 if zero is None else zero.numel(), pairs, blocks, BM=block_m, E_PAD=_pow2(num_experts),
         CHUNK=min(1024, _pow2(pairs, 128)), FILL=1024, num_warps=4, **launch_options(experts.device),
     )  # fmt: skip
     return Layout(rows, block_experts, block_m)
@@ -308,7 +313,13 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     num_experts, width, hidden = gate_up.shape
     inner = width // 2
     pairs = count * top_k
-    layout = routed_layout(experts, num_experts, launch.block_m or block_rows(pairs, num_experts))
+    product = torch.promote_types(down.dtype, weights.dtype)  # the dtype of torch's expert output * routing weight
+    if ordered:
+        out = torch.empty(pairs, hidden, dtype=product, device=h.device)
+    else:  # the atomics' fp32 accumulator, zeroed by the layout's launch
+        out = torch.empty(count, hidden, dtype=torch.float32, device=h.device)
+    layout = routed_layout(experts, num_experts, launch.block_m or block_rows(pairs, num_experts),
+                           None if ordered else out)  # fmt: skip
     grid_rows = layout.block_experts.numel()
     common = dict(BM=layout.block_m, BK=launch.block_k, PRECISION=precision(h.dtype, True), DOT_F32=interpreting(),
                   num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(h.device))  # fmt: skip
@@ -323,11 +334,6 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     shrunk = _shrink(act, down_lora, layout, top_k, False, launch)
     lora, (r_pad, round_adapter) = _lora_args(shrunk, act)
     weights = weights.reshape(-1).contiguous()
-    product = torch.promote_types(down.dtype, weights.dtype)  # the dtype of torch's expert output * routing weight
-    if ordered:
-        out = torch.empty(pairs, hidden, dtype=product, device=h.device)
-    else:
-        out = torch.zeros(count, hidden, dtype=torch.float32, device=h.device)
     _down_kernel[(grid_rows, triton.cdiv(hidden, launch.block_n))](
         act, down, lora[0], lora[1], lora[2], weights, out, layout.rows, layout.block_experts, inner, hidden, lora[3],
         top_k, BN=launch.block_n, R_PAD=r_pad, HAS_LORA=shrunk is not None, ROUND_ADAPTER=round_adapter,
