@@ -243,8 +243,8 @@ def route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fused_route(h: torch.Tensor, spec: SparseSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`route` by `kernels.router` (one launch), or None where it cannot run (no Triton, not on CUDA outside Triton's
-    interpreter, operands it does not take)."""
+    """`route` by `kernels.router` (the same logits GEMM, then one launch), or None where it cannot run (no
+    Triton, not on CUDA outside Triton's interpreter, operands it does not take)."""
     from slimrl.rollout import kernels
 
     if not kernels.available():
