@@ -108,7 +108,17 @@ def time_fresh(bench: Bench, into: dict, label: str, **flags) -> None:  # the en
     bench.engine.release(keep_graph=False)
     other = bench.new_engine(**flags)
     time_batches(bench, other, into, label)
+    if bench.args.profile_variants and other.device.type == "cuda":
+        profile_graphs(bench, other, into, f"{label}.profile")
     other.release(keep_graph=False)
+
+
+def profile_graphs(bench: Bench, engine: RolloutEngine, into: dict, name: str) -> None:
+    """`graph_profile` of the engine's decode step at batch 64 and 256 (those of --batches), into[decode_graph_B*]."""
+    for batch in (b for b in (64, 256) if b in bench.args.batches):
+        with recorded(bench.report, f"{name}.B{batch}"):
+            engine.generate(bench.prompts(batch), W2_SAMPLING, max_new_tokens=8)
+            into[f"decode_graph_B{batch}"] = graph_profile(engine)
 
 
 def graph_profile(engine: RolloutEngine, reps: int = 20) -> dict:
@@ -275,10 +285,7 @@ def section_greedy(bench: Bench, fp32: bool = False) -> None:
 
 
 def section_profile(bench: Bench) -> None:
-    for batch in (b for b in (64, 256) if b in bench.args.batches):
-        with recorded(bench.report, f"profile.B{batch}"):
-            bench.engine.generate(bench.prompts(batch), W2_SAMPLING, max_new_tokens=8)
-            bench.report[f"decode_graph_B{batch}"] = graph_profile(bench.engine)
+    profile_graphs(bench, bench.engine, bench.report, "profile")
 
 
 def baseline(name: str, run):  # a section timing `run(model, prompts, new tokens)` at every batch
@@ -323,6 +330,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--skip", nargs="*", default=[], choices=[*(s[0] for s in SECTIONS), "ungrouped"])  # (gone)
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
     parser.add_argument("--variants", nargs="*", default=["pdl=0"], help="engine settings to time (see above)")
+    parser.add_argument("--profile-variants", action="store_true",
+                        help="also profile each variant's decode step at batch 64 and 256 (as section profile)")
     parser.add_argument("--model", choices=common.MODELS, default="w1", help="W1's (default) or another shape")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: a CPU smoke run")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; 64 with --tiny)")

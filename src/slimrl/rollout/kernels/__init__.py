@@ -10,23 +10,12 @@ modules import triton at import time; these two checks do not, so callers ask th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+# Triton installed, the interpreter on: the same checks as the training kernels'
+from slimrl.ops.kernels import available, interpreting
 
-def available() -> bool:
-    """Whether Triton is installed."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    """Whether kernels run in Triton's interpreter (the CPU tests set TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["available", "interpreting", "runs_here"]
 
 
 def runs_here(x: torch.Tensor) -> bool:

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slimrl.ops.kernels.rounding import round_to  # noqa: F401 - the training kernels' rounding, the same here
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -50,8 +52,6 @@ except ImportError:  # a Triton without grid dependency control: never launched 
 
 MODE = int(os.environ.get("SLIMRL_PDL", "1"))
 _CAPABLE: dict[int, bool] = {}
-# Triton's interpreter (the CPU tests) converts fp32 to bf16 by truncation; there the rounding is done by hand
-_SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -84,16 +84,6 @@ def enter(PDL: tl.constexpr):
 
 
 # -- arithmetic and tiles --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr):
-    """x rounded to `dtype` (to nearest, ties to even) and back to fp32 (a no-op for fp32)."""
-    if _SOFT_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(dtype).to(tl.float32)
 
 
 def precision(dtype: torch.dtype, tf32: bool) -> str:
