@@ -185,9 +185,12 @@ class RolloutEngine:
         seq_len = planning.cache_length(length, max(limits), self.max_seq_len)
         eager_draws = params.sampler == "multinomial"  # torch.multinomial over exactly these rows, every step
         batch = count if eager_draws else planning.bucket(count)
+        rows = wave_rows(prompts, batch, self.pad_token_id)
+        # (distinct prompts, the rows holding each) with share_prompt_prefill: grouped once, for the cache and prefill
+        grouped = group_rows(rows) if self.options.share_prompt_prefill else (rows, None)
         prefix = None
-        if self.options.share_prompt_prefill and self.options.share_prompt_cache:
-            distinct = len(group_rows(wave_rows(prompts, batch, self.pad_token_id))[0])
+        if grouped[1] is not None and self.options.share_prompt_cache:
+            distinct = len(grouped[0])
             shared = planning.shared_prefix(batch, distinct, length, max(limits), self.max_seq_len)
             if distinct < batch and shared is not None:
                 prefix, seq_len = shared
@@ -204,7 +207,7 @@ class RolloutEngine:
         session.start(prompts, limits, length, self.pad_token_id)
         if session.fused_sampling:  # this wave's Philox key, from the engine's seeded generator (no host sync)
             session.seed.copy_(torch.randint(0, 2**31, (1,), generator=runner.generator, device=self.device))
-        logits = runner.prefill(session, prompts, length)  # a prompt several rows hold runs once (options)
+        logits = runner.prefill(session, grouped, length)  # a prompt several rows hold runs once (options)
         stats["prefill_rows"] += runner.prefilled_rows
         runner.fill_noise(session)
         runner.finish_step(session, logits)

@@ -74,14 +74,15 @@ class Runner:
 
     # -- prefill -------------------------------------------------------------------------------------------------
 
-    def prefill(self, session: Session, prompts, length: int) -> torch.Tensor:
-        """Run the prompts through the model in row blocks; return the last position's logits [batch, V]. Rows past
-        len(prompts) (a bucket's idle rows) get the one-token prompt [pad]. With `share_prompt_prefill`, a prompt
-        that several rows hold (GRPO's G copies) runs once: its K/V go into each of those rows (`SharedRows`) and
-        its logits are repeated; no random draw happens here, so every row samples as it would without it."""
-        rows = wave_rows(prompts, session.batch, self.pad_token_id)
+    def prefill(self, session: Session, grouped: tuple, length: int) -> torch.Tensor:
+        """Run the wave's rows through the model in row blocks; return the last position's logits [batch, V].
+        grouped: (distinct prompts, the rows holding each) of the session's rows (`wave_rows`: a bucket's idle rows
+        hold the one-token prompt [pad]), from `group_rows` with `share_prompt_prefill`, else (every row's prompt,
+        None). A prompt that several rows hold (GRPO's G copies) runs once: its K/V go into each of those rows
+        (`SharedRows`) and its logits are repeated; no random draw happens here, so every row samples as it would
+        without it."""
         block = max(1, PREFILL_TOKENS // length)
-        distinct, members = group_rows(rows) if self.options.share_prompt_prefill else (rows, None)
+        distinct, members = grouped
         self.prefilled_rows = len(distinct)
         if session.prefix_len:  # the shared prompt cache: each distinct prompt's K/V go to its one prefix row
             if members is None or len(distinct) > session.prefix_rows:
@@ -89,8 +90,8 @@ class Runner:
             session.source.copy_(torch.tensor(row_sources(members)))
             logits = self._prefill_rows(session, distinct, length, block, PrefixRows(session.cache))
             return logits.index_select(0, session.source)
-        if members is None or len(distinct) == len(rows):
-            return self._prefill_rows(session, rows, length, block, session.cache)
+        if members is None or len(distinct) == session.batch:  # (then `distinct` is every row's prompt, in order)
+            return self._prefill_rows(session, distinct, length, block, session.cache)
         shared = SharedRows(session.cache, members, block, self.device)
         return self._prefill_rows(session, distinct, length, block, shared).index_select(0, shared.source)
 
