@@ -105,8 +105,9 @@ class FusedDecode:
     head_dim: int
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
-    # deterministic: LoRA shrinks add their K splits in order, and the down projection's shrink, still computed in
-    # the gate/up kernel, adds its column tiles' shares in a fixed order (`projections._tree_sum`) instead of by atomics
+    # deterministic: the LoRA shrinks' partial sums (K splits; the gate/up kernel's column tiles for down's shrink)
+    # meet as fixed-point integers (`kernels.common.fixed_add`) instead of fp32 atomics, so no sum depends on the
+    # order in which the programs finish
     ordered: bool = False
     choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None
@@ -156,10 +157,8 @@ class FusedDecode:
         shrunk, self._shrunk = self._shrunk, None
         if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
             return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
-        padded = lora_kernels.padded_rank(rank)
-        workspace = self.lora.take(len(specs) * x.shape[0] * padded, rank)
-        workspace = lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered, self._scratch())
-        return workspace, lora_bs, scales
+        workspace = self.lora.take(lora_kernels.workspace_elements(len(specs), x.shape[0], rank, self.ordered), rank)
+        return lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered), lora_bs, scales
 
     def _base(self, x: torch.Tensor, specs, gemm: bool):
         """(weights, biases, outputs) for the kernel: weights for the kernel's own GEMM, else base outputs computed
@@ -238,9 +237,8 @@ class FusedDecode:
         return projections.project(
             x, weights, biases, outputs, lora, out, pair, block_n=choice.block_n, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
-            next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
-            block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k, scratch=self._scratch(),
-            ordered=self.ordered,
+            next_shrink=next_shrink, block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k,
+            scratch=self._scratch(),
         )  # fmt: skip
 
     def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
@@ -248,7 +246,7 @@ class FusedDecode:
 
     def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
         """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
-        same launch (in a fixed order when `ordered`) and picked up by the next `linear(act, down)`."""
+        same launch (as fixed point when `ordered`) and picked up by the next `linear(act, down)`."""
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
@@ -257,10 +255,10 @@ class FusedDecode:
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)
             if lora_a.is_contiguous() and rank <= 128 and lora_a.dtype in dtypes:
-                padded = lora_kernels.padded_rank(rank)
-                workspace = self.lora.take(h.shape[0] * padded, rank)
+                rows, padded = h.shape[0], lora_kernels.padded_rank(rank)
+                workspace = self.lora.take(lora_kernels.workspace_elements(1, rows, rank, self.ordered), rank)
                 if workspace is not None:
-                    next_shrink = (lora_a, workspace.view(1, h.shape[0], padded))
+                    next_shrink = (lora_a, lora_kernels.shrunk_views(workspace, 1, rows, padded, self.ordered))
         act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
         if act is not None and next_shrink is not None:
             self._shrunk = (act, next_shrink[0], next_shrink[1])

@@ -1,10 +1,10 @@
 """The deterministic decode (`FusedDecode(ordered=True)`, the trainers' default) keeps the down projection's LoRA
-shrink in the gate/up kernel: each column tile's share of act · A_downᵀ goes to its own scratch slot and the shares
-are added in a fixed order (`projections._tree_sum`), not by atomics.
+shrink in the gate/up kernel: each column tile's share of act · A_downᵀ is added as fixed point
+(`common.fixed_add`), whose integer sums do not depend on the order in which the tiles finish.
 
-In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic, the order and
-the counts' reset; the CUDA test at the end runs the same launches on a GPU, where programs finish in any order, and
-checks that the bits do not change."""
+In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic; the CUDA test
+at the end runs the same launches on a GPU, where programs finish in any order, and checks that the bits do not
+change."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from slimrl.rollout.kernels import lora as lora_kernels
 from slimrl.rollout.kernels import projections
-from slimrl.rollout.kernels.gemm import SplitScratch
 from slimrl.rollout.kv_cache import StepContext
 from slimrl.rollout.model.reference import add_lora_, project, silu_mul
 from slimrl.rollout.model.views import LinearSpec
@@ -33,8 +32,8 @@ def lora_spec(g, out_features, in_features, dtype, rank, scale, adapter_dtype=to
 
 
 def ordered_ops(dtype, rank, rows, block_n=None):
-    """A deterministic FusedDecode bound to a step whose scratch it returns too (the projections read nothing else
-    of the step); block_n: the gate/up kernel's column tile (whole tiles), else the shipped one."""
+    """A deterministic FusedDecode bound to a step (the projections read nothing of it but its split-K scratch);
+    block_n: the gate/up kernel's column tile (whole tiles), else the shipped one."""
     ops, grouped = fused_ops(True, dtype)
     ops.ordered = grouped.ordered = True
     if block_n is not None:
@@ -43,26 +42,20 @@ def ordered_ops(dtype, rank, rows, block_n=None):
     scratch = ops.new_scratch()
     ops.bind(StepContext(None, None, None, 0, scratch))
     grouped.begin(rows, 4, rank, torch.device(DEVICE))
-    return ops, grouped, scratch
+    return ops, grouped
 
 
-def counted_shrinks(monkeypatch) -> dict:
-    """Counts of `shrink_` launches by FusedDecode (its own groups) and by `projections.project` (the fallback)."""
-    calls = {"fused_ops": 0, "projections": 0}
-    for module, name in ((lora_kernels, "fused_ops"), (projections, "projections")):
-        real = module.shrink_
+def counted_shrinks(monkeypatch) -> list:
+    """One entry per `shrink_` launch (FusedDecode's own groups) from now on."""
+    calls = []
+    real = lora_kernels.shrink_
 
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(module, "shrink_", counted)
+    monkeypatch.setattr(lora_kernels, "shrink_", counted)
     return calls
-
-
-def assert_counts_zero(scratch) -> None:
-    (held,) = scratch._held.values()
-    assert held[1].numel() > 0 and not held[1].any(), "a count was left non-zero for the next launch"
 
 
 # each row count with both dtypes, each rank with both dtypes (the full product costs three times the interpreter time)
@@ -73,17 +66,17 @@ ODD_SHAPES = [(1, 8, torch.float32, "fp32_sum"), (1, 64, torch.bfloat16, "bf16")
 @pytest.mark.parametrize("rows, rank, dtype, kind", ODD_SHAPES)
 def test_ordered_fused_down_shrink_matches_the_reference(rows, rank, dtype, kind):
     """gate/up with the down shrink in its epilogue, then down, against peft's math (fp32 adapters on an fp32 or
-    bf16 model); the shrink itself (the tree's sum) against act · Aᵀ in fp32, zero past the rank. Rows 1 and 3 fill
-    part of a 16-row tile and 17 part of a 32-row one; the gate/up launch has 9 or 5 column tiles (groups of 3, 3, 3
-    or 3, 2)."""
+    bf16 model); the shrink itself (the fixed-point sum) against act · Aᵀ in fp32, zero past the rank. Rows 1 and 3
+    fill part of a 16-row tile and 17 part of a 32-row one; the gate/up launch has 9 or 5 column tiles."""
     g = torch.Generator(device=DEVICE).manual_seed(100 * rows + rank)
     x = rand(g, rows, HIDDEN, dtype=dtype)
     gate, up = (lora_spec(g, WIDTH, HIDDEN, dtype, rank, s) for s in (0.5, 1.5))
     down = lora_spec(g, OUT, WIDTH, dtype, rank, 0.25)
-    ops, _, scratch = ordered_ops(dtype, rank, rows)
+    ops, _ = ordered_ops(dtype, rank, rows)
     act = ops.gate_up(x, gate, up, down)
     assert act is not None and ops._shrunk is not None, "the ordered gate/up kernel did not take the down shrink"
-    shrunk = ops._shrunk[2][0].clone()  # [rows, padded rank]
+    assert ops._shrunk[2].fixed, "the deterministic gate/up kernel should leave a fixed-point shrink"
+    shrunk = ops._shrunk[2].values()[0]  # [rows, padded rank]
     out = ops.linear(act, down, "down")
     assert out is not None
 
@@ -93,84 +86,69 @@ def test_ordered_fused_down_shrink_matches_the_reference(rows, rank, dtype, kind
     assert not shrunk[:, rank:].any(), "the shrink past the rank must be zero"
     (want,) = project(act, (down,), add_lora_)
     assert_close(out.float(), want.float(), kind, name="down")
-    assert_counts_zero(scratch)
 
 
 @pytest.mark.parametrize("dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])  # fmt: skip
-def test_ordered_fused_shrink_is_the_unfused_ordered_shrink_bit_for_bit(dtype, adapter_dtype):
-    """The order, by construction: with 64-column tiles, tile t's share is the dot over act's columns 64t..64t+63,
-    which is one K split of `lora.shrink_(ordered=True)` (64 columns per split); the kernel adds the shares of each
-    group of `tree_group(tiles)` tiles in tile order, then the groups' sums in group order. So it equals, bit for
-    bit, the unfused ordered shrink of each group's columns added group by group from zero in fp32; twice in a row
-    (the counts are reset). Rank 16: both kernels take the same [rows, 64] x [64, 16] products; bf16 adapters on an
-    fp32 model: both cast act to the adapter's dtype first, as peft does."""
-    rows, rank, width = 5, 16, 64 * 7 + 20  # 8 tiles, the last one partial: groups of 3, 3 and 2
+def test_fused_shrink_is_the_unfused_fixed_point_shrink_bit_for_bit(dtype, adapter_dtype):
+    """With 64-column tiles, tile t's share is the dot over act's columns 64t..64t+63, which is one K split of
+    `lora.shrink_(ordered=True)` (64 columns per split); both truncate each share to units of 2**-32 and add the
+    integers, so the fused shrink equals the unfused one over all of act, integer for integer; twice in a row.
+    Rank 16: both kernels take the same [rows, 64] x [64, 16] products; bf16 adapters on an fp32 model: both cast
+    act to the adapter's dtype first, as peft does."""
+    rows, rank, width = 5, 16, 64 * 7 + 20  # 8 tiles, the last one partial
     g = torch.Generator(device=DEVICE).manual_seed(7)
     x = rand(g, rows, HIDDEN, dtype=dtype)
     gate, up = (lora_spec(g, width, HIDDEN, dtype, rank, s, adapter_dtype) for s in (0.5, 1.5))
     down = lora_spec(g, OUT, width, dtype, rank, 0.25, adapter_dtype)
     shrinks = []
     for _ in range(2):
-        ops, _, scratch = ordered_ops(dtype, rank, rows, block_n=64)
+        ops, _ = ordered_ops(dtype, rank, rows, block_n=64)
         act = ops.gate_up(x, gate, up, down)
-        shrinks.append(ops._shrunk[2][0].clone())
+        shrinks.append(ops._shrunk[2].sums[0].clone())
     assert torch.equal(shrinks[0], shrinks[1]), "the same inputs gave other bits"
-    assert_counts_zero(scratch)
-
-    tiles = -(-width // 64)
-    span = 64 * projections.tree_group(tiles)
-    assert (tiles, span) == (8, 192), "the case should have three groups of tiles, the last one short"
-    lora_a = down.loras[0][0]
-    want = torch.zeros(rows, rank, device=DEVICE)
-    for start in range(0, width, span):
-        part = lora_kernels.shrink_(act[:, start : start + span], [lora_a[:, start : start + span].contiguous()],
-                                    tf32=False, ordered=True, scratch=SplitScratch())  # fmt: skip
-        want = want + part[0, :, :rank]
-    assert torch.equal(shrinks[0][:, :rank], want), "the fused shares were not added in the stated order"
+    want = lora_kernels.shrink_(act, [down.loras[0][0]], tf32=False, ordered=True)
+    assert torch.equal(shrinks[0], want.sums[0]), "the fused shares are not the unfused shrink's fixed-point sum"
 
 
 def test_ordered_gate_up_takes_the_fused_down_shrink(monkeypatch):
-    """With a step's scratch, the deterministic gate/up launch computes down's shrink (no `shrink_` for down, no
-    fallback); with no step bound (the prefill: no scratch) it falls back to the unfused ordered shrink after the
-    launch, and down still finds its shrink done and right."""
+    """The deterministic gate/up launch computes down's shrink (no `shrink_` for down), bound to a decode step or
+    not (the prefill): fixed point needs no scratch; down finds its shrink done and right both times."""
     rows, rank, dtype = 3, 8, torch.float32
     g = torch.Generator(device=DEVICE).manual_seed(9)
     x = rand(g, rows, HIDDEN, dtype=dtype)
     gate, up = (lora_spec(g, WIDTH, HIDDEN, dtype, rank, s) for s in (0.5, 1.5))
     down = lora_spec(g, OUT, WIDTH, dtype, rank, 0.25)
     calls = counted_shrinks(monkeypatch)
-    ops, _, scratch = ordered_ops(dtype, rank, rows)
+    ops, _ = ordered_ops(dtype, rank, rows)
     act = ops.gate_up(x, gate, up, down)
-    assert calls == {"fused_ops": 1, "projections": 0}, "gate/up should run its own shrink only"
+    assert len(calls) == 1, "gate/up should run its own shrink only"
     bound = ops.linear(act, down, "down")
-    assert calls == {"fused_ops": 1, "projections": 0}, "down ran a shrink of its own"
-    assert scratch._held, "the ordered shares took no room in the step's scratch"
+    assert len(calls) == 1, "down ran a shrink of its own"
 
     ops.bind(None)
     unbound = ops.linear(ops.gate_up(x, gate, up, down), down, "down")
-    assert calls == {"fused_ops": 2, "projections": 1}, "without a scratch the shrink should run after the launch"
+    assert len(calls) == 2, "without a step bound, down should still find its shrink done"
     (want,) = project(act, (down,), add_lora_)
-    for name, got in (("with the step's scratch", bound), ("without a scratch", unbound)):
+    for name, got in (("bound to a step", bound), ("unbound", unbound)):
         assert_close(got, want, "fp32_sum", name=f"down, {name}")
 
 
 def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch):
     """The engine with fused_decode and deterministic on (the trainers' default) decodes greedily as transformers'
-    generate in fp32, and every decode step's gate/up launch took the ordered down shrink (no fallback)."""
+    generate in fp32, and every gate/up launch took down's shrink as fixed point."""
     from slimrl.rollout.engine import RolloutEngine
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
 
-    ordered_fused = []
+    fused_down = []
     real = projections.project
 
     def counted(*args, **kwargs):
-        ordered_fused.append(kwargs.get("next_shrink") is not None and kwargs.get("ordered") and
-                             kwargs.get("scratch") is not None)  # fmt: skip
+        if args[6]:  # pair: the gate/up launch
+            fused_down.append(kwargs.get("next_shrink") is not None and kwargs["next_shrink"][1].fixed)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(projections, "project", counted)
-    calls = counted_shrinks(monkeypatch)
     # intermediate 160: 5 gate/up column tiles of 32, groups of 3 and 2
     model = no_eos(with_lora(build("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                                    intermediate_size=160)))  # fmt: skip
@@ -182,14 +160,13 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
     completions = engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids
     assert completions == expected
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
-    assert sum(ordered_fused) == steps * layers, "a decode step's gate/up ran without the ordered down shrink"
-    assert calls["projections"] == layers, "only the prefill (no scratch) should fall back to an unfused shrink"
+    assert len(fused_down) >= steps * layers and all(fused_down), "a gate/up ran without down's fixed-point shrink"
 
 
 @pytest.mark.cuda
 def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
     """W1's MLP (64 rows, hidden 1536, intermediate 8960, LoRA r=64 in fp32 on a bf16 model) on the shipped
-    settings: gate/up with the ordered down shrink, then down, five times; the programs finish in a different order
+    settings: gate/up with the fixed-point down shrink, then down, five times; the programs finish in a different order
     each time on a GPU, the bits may not change. The shrink is also checked against act · Aᵀ (TF32 products)."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
     from slimrl.rollout.kernels.lora import GroupedLoRA
@@ -207,9 +184,9 @@ def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeyp
     for _ in range(5):
         grouped.begin(rows, 4, rank, torch.device("cuda"))
         act = ops.gate_up(x, gate, up, down)
-        shrunk = ops._shrunk[2][0].clone()
+        shrunk = ops._shrunk[2].values()[0]
         runs.append((act, shrunk, ops.linear(act, down, "down")))
-    assert calls["projections"] == 0 and calls["fused_ops"] == 5, "down's shrink did not ride in the gate/up launch"
+    assert len(calls) == 5, "down's shrink did not ride in the gate/up launch"
     for i, run in enumerate(runs[1:], 1):
         for name, first, again in zip(("act", "down shrink", "down"), runs[0], run, strict=True):
             assert torch.equal(first, again), f"{name}: run {i} gave other bits than run 0"

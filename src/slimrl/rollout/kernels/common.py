@@ -33,7 +33,6 @@ Import this module only where Triton may be used: it imports triton at import ti
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -116,49 +115,40 @@ def tile_columns(width: int, row_blocks: int, block_n: int, per_sm: int, device:
     return max(1, min(block_n, triton.cdiv(width, programs)))
 
 
-# -- sums in a fixed order -------------------------------------------------------------------------------------------
+# -- sums that do not depend on the order of their terms -------------------------------------------------------------
+
+FIXED_BITS = 32  # fractional bits of the deterministic sums' fixed point: units of 2**-32
+_TO_FIXED = tl.constexpr(2.0**FIXED_BITS)
+_FROM_FIXED = tl.constexpr(2.0**-FIXED_BITS)
 
 
-def tree_group(members: int) -> int:
-    """Shares per first-level group of `fixed_order_sum`: the ceiling of sqrt(members), which makes the last
-    program's reads (group + members / group slots) fewest."""
-    return math.isqrt(max(members, 1) - 1) + 1
+def fixed_limit(shares: int) -> float:
+    """The largest magnitude a share of `fixed_add` may have when `shares` of them meet in one sum: their sum in
+    units of 2**-FIXED_BITS then stays below 2**62, inside int64, whatever their signs."""
+    return 2.0 ** (62 - FIXED_BITS - max(shares - 1, 0).bit_length())
 
 
 @triton.jit
-def fixed_order_sum(part, done, member, members, live, slots, counts, out_ptrs, BM: tl.constexpr, BN: tl.constexpr,
-                    GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
-    """Adds the shares `part` [BM, BN] fp32 of one sum, one per program (`member` of `members`), in a fixed order
-    whatever the order in which the programs finish, and stores the sum at out_ptrs [BM, BN] (its first `live` rows)
-    from the last program to finish. done: this program holds a share (every member must, once per launch).
+def fixed_add(sum_ptrs, poison_ptrs, part, rows_ok, mask, limit):
+    """Adds the fp32 shares `part` [BM, BN] into the int64 sums at sum_ptrs (a zeroed [BM, BN] tile) as fixed point:
+    each share truncated to a multiple of 2**-FIXED_BITS, then integer atomics, which give the same bits in any
+    order. The sum is the exact sum of the truncated shares, rounded once when `fixed_load` converts it.
 
-    Two levels, so that no program reads every share: each share goes to its own slot; the last of each GROUP
-    consecutive members to arrive adds its group's slots in member order into the group's slot; the last group to
-    arrive adds the GROUPS group sums in group order. The sum is ((s0 + ... + s[GROUP-1]) + (s[GROUP] + ...) + ...),
-    each parenthesis from zero; the last program reads GROUP + GROUPS slots (about 2 sqrt(members), `tree_group`).
-    slots: fp32 [members + GROUPS, BM, BN] of this sum alone; counts: int32 [GROUPS + 1], zero between launches (each
-    count's last arrival resets it). Rows past `live` are neither stored nor read."""
-    SLOT: tl.constexpr = BM * BN
-    lanes = tl.arange(0, BM)[:, None]
-    cells = lanes * BN + tl.arange(0, BN)[None, :]
-    if done:
-        tl.store(slots + member * SLOT + cells, part, mask=lanes < live)
-        tl.debug_barrier()  # every thread's share is out before the count is released
-        group = member // GROUP
-        first = group * GROUP
-        size = tl.minimum(GROUP, members - first)  # (the last group may be short)
-        if tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu") == size - 1:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for i in tl.static_range(GROUP):  # in member order; .cg reads the other SMs' stores from L2
-                rows = tl.where(size > i, live, 0)  # (an int bound: the interpreter mishandles bool & bool masks)
-                acc += tl.load(slots + (first + i) * SLOT + cells, mask=lanes < rows, other=0.0, cache_modifier=".cg")
-            tl.store(counts + group, 0)
-            tl.store(slots + (members + group) * SLOT + cells, acc, mask=lanes < live)
-            tl.debug_barrier()  # the group's sum is out before the last count is released
-            if tl.atomic_add(counts + GROUPS, 1, sem="acq_rel", scope="gpu") == GROUPS - 1:
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for j in tl.static_range(GROUPS):  # in group order
-                    acc += tl.load(slots + (members + j) * SLOT + cells, mask=lanes < live, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                tl.store(counts + GROUPS, 0)
-                tl.store(out_ptrs, acc, mask=lanes < live)
+    A share that is not finite or not below `limit` (`fixed_limit`) cannot be held: its row's poison (fp32 [BM] at
+    poison_ptrs, zeroed) gets NaN instead (NaN + 0 = NaN in any order), and `fixed_load` gives NaN for that row, as
+    a NaN input gives the float sum. rows_ok [BM]: the rows this tile holds."""
+    bad = (part != part) | (tl.abs(part) >= limit)
+    units = (tl.where(bad, 0.0, part) * _TO_FIXED).to(tl.int64)
+    tl.atomic_add(sum_ptrs, units, mask=mask, sem="relaxed")
+    bad_rows = tl.max(bad.to(tl.int32), axis=1)
+    if tl.max(bad_rows, axis=0) > 0:
+        tl.atomic_add(poison_ptrs, tl.where(bad_rows > 0, float("nan"), 0.0), mask=rows_ok & (bad_rows > 0),
+                      sem="relaxed")  # fmt: skip
+
+
+@triton.jit
+def fixed_load(sum_ptrs, poison_ptrs, rows_ok, mask):
+    """The fp32 values [BM, BN] of `fixed_add`'s sums (int64 at sum_ptrs), NaN in rows whose poison is NaN."""
+    units = tl.load(sum_ptrs, mask=mask, other=0)
+    poison = tl.load(poison_ptrs, mask=rows_ok, other=0.0)
+    return units.to(tl.float32) * _FROM_FIXED + poison[:, None]

@@ -7,9 +7,9 @@ live from the model:
 
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
-  in the last bits of fp32), or, `ordered`, in scratch slots added in a fixed order by the last programs to finish
-  (`common.fixed_order_sum`: groups of about sqrt(splits) splits, then the groups; the result then depends only on
-  the inputs);
+  in the last bits of fp32), or, `ordered`, as fixed-point integers (`common.fixed_add`: each partial truncated to
+  a multiple of 2**-32, then int64 atomics, whose sum is the same in any order; the result then depends only on
+  the inputs, at the atomics' speed);
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
@@ -20,12 +20,14 @@ compare the two on CUDA. Import this module only where Triton may be used: it im
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import runs_here
-from slimrl.rollout.kernels.common import enter, fixed_order_sum, tree_group
+from slimrl.rollout.kernels.common import enter, fixed_add, fixed_limit, fixed_load
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.model.reference import add_lora_
 
@@ -52,11 +54,51 @@ def can_fuse(x: torch.Tensor, items) -> bool:
     return True
 
 
+class Shrunk(NamedTuple):
+    """lora_A(x) of a group of adapters, as the shrink leaves it for the kernels that add B · it.
+
+    sums: [G, M, R_PAD], zero past the rank: fp32, or int64 fixed point in units of 2**-32 (`common.fixed_add`)
+    from an ordered shrink. poison: fp32 [G, M] beside fixed-point sums (NaN for a row whose share could not be
+    held), None beside fp32 ones."""
+
+    sums: torch.Tensor
+    poison: torch.Tensor | None = None
+
+    @property
+    def fixed(self) -> bool:
+        return self.poison is not None
+
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, poison) for a kernel's two pointers; the sums stand in for a poison they do not have."""
+        return self.sums, self.sums if self.poison is None else self.poison
+
+    def values(self) -> torch.Tensor:
+        """The fp32 values [G, M, R_PAD] (as the kernels read them)."""
+        if not self.fixed:
+            return self.sums
+        return self.sums.float() * 2.0**-32 + self.poison[..., None]
+
+
+def workspace_elements(group: int, rows: int, rank: int, fixed: bool) -> int:
+    """fp32 elements of the zeroed workspace a shrink of `group` adapters over `rows` rows writes: the sums, and
+    with `fixed` their int64 units and the poison (an even count, so that the next piece stays 8-byte aligned)."""
+    cells = group * rows * padded_rank(rank)
+    return 2 * cells + group * rows + (group * rows) % 2 if fixed else cells
+
+
+def shrunk_views(workspace: torch.Tensor, group: int, rows: int, r_pad: int, fixed: bool) -> Shrunk:
+    """The `Shrunk` held in the first `workspace_elements` of a flat zeroed fp32 workspace."""
+    cells = group * rows * r_pad
+    if not fixed:
+        return Shrunk(workspace[:cells].view(group, rows, r_pad))
+    sums = workspace[: 2 * cells].view(torch.int64).view(group, rows, r_pad)
+    return Shrunk(sums, workspace[2 * cells : 2 * cells + group * rows].view(group, rows))
+
+
 @triton.jit
-def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sp_ptr, cnt_ptr, M, K, R, stride_xm, k_per_split,
+def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, pz_ptr, M, K, R, stride_xm, k_per_split, limit,
                    R_BLOCKS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr, GROUP: tl.constexpr,
-                   GROUPS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1) // R_BLOCKS
@@ -82,22 +124,19 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sp_ptr, cnt_ptr, M, K,
         a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :], mask=r_ok & k_ok, other=0.0)
         x = x.to(a.dtype).to(tl.float32)  # peft casts the input to the adapter's dtype
         acc += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
-    # the K splits of one (rows, rank) tile meet here
+    # the K splits of one (rows, rank) tile meet here, in the zeroed workspace
     ws = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    if ORDERED:  # in a fixed order: sp holds [tiles, splits + GROUPS, BLOCK_M, BLOCK_R], cnt [tiles, GROUPS + 1]
-        tile = pid_m * tl.num_programs(1) + tl.program_id(1)
-        splits = tl.num_programs(2)
-        slots = sp_ptr + tile.to(tl.int64) * (splits + GROUPS) * (BLOCK_M * BLOCK_R)
-        fixed_order_sum(acc, True, split, splits, M - pid_m * BLOCK_M, slots, cnt_ptr + tile * (GROUPS + 1), ws,
-                        BLOCK_M, BLOCK_R, GROUP, GROUPS)  # fmt: skip
-    else:  # the workspace was zeroed before the launch
+    if FIXED:  # as fixed point: the same bits whatever order the splits arrive in
+        fixed_add(ws, pz_ptr + group * M + offs_m, acc, offs_m < M, m_ok, limit)
+    else:
         tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
 
 
 @triton.jit
-def _expand_kernel(ws_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n1, n2, s0, s1, s2, M, R, tiles0, tiles1,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _expand_kernel(ws_ptr, pz_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n1, n2, s0, s1, s2, M, R,
+                   tiles0, tiles1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+                   ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,7 +164,11 @@ def _expand_kernel(ws_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
     m_ok = offs_m[:, None] < M
-    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok, other=0.0)
+    xa_ptrs = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
+    if FIXED:
+        xa = fixed_load(xa_ptrs, pz_ptr + group * M + offs_m, offs_m < M, m_ok)
+    else:
+        xa = tl.load(xa_ptrs, mask=m_ok, other=0.0)
     b_ok = (offs_n[:, None] < n) & (offs_r[None, :] < R)
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_ok, other=0.0)  # zeros past the rank
     if ROUND_ADAPTER:  # half-precision adapters: lora_A's output is rounded to their dtype, as in peft
@@ -151,20 +194,20 @@ def padded_rank(rank: int) -> int:
 
 
 def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True,
-            ordered: bool = False, scratch=None) -> torch.Tensor:  # fmt: skip
-    """lora_A(x) for up to three adapters at once: returns the fp32 workspace [G, M, R_PAD] holding x · A_iᵀ
-    (zero past the rank). workspace: zeroed fp32 of at least G * M * padded_rank(r) elements, or None.
+            ordered: bool = False) -> Shrunk:  # fmt: skip
+    """lora_A(x) for up to three adapters at once: the `Shrunk` holding x · A_iᵀ [G, M, R_PAD] (zero past the rank).
+    workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or None.
 
-    ordered: the result depends only on the inputs (K splits added in a fixed order, `common.fixed_order_sum`, in
-    the slots of `scratch`, a `gemm.SplitScratch`; without one, or without room in it during a capture, K is not
-    split). The order: splits s0, s1, ... in groups of g = `tree_group(splits)`, ((s0 + ... + s[g-1]) + (s[g] + ...)
-    + ...), each parenthesis summed from zero in fp32."""
+    ordered: the result depends only on the inputs: the K splits' partial sums meet as fixed point
+    (`common.fixed_add`), so the sum is the exact sum of the partials truncated to multiples of 2**-32, rounded
+    once to fp32 where it is read (`Shrunk.values`, the kernels' `fixed_load`)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
     r_pad = padded_rank(rank)
     if workspace is None:
-        workspace = torch.zeros(group * rows * r_pad, dtype=torch.float32, device=x.device)
+        workspace = torch.zeros(workspace_elements(group, rows, rank, ordered), dtype=torch.float32, device=x.device)
+    shrunk = shrunk_views(workspace, group, rows, r_pad, ordered)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
@@ -176,32 +219,22 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(TARGET_PROGRAMS, m_tiles * group * r_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
-    slots = counts = workspace  # placeholders for the pointers an unordered launch does not use
-    sizes = (1, 1)  # (GROUP, GROUPS) of the ordered sum; one constant pair for the other launches
-    if ordered and splits > 1:
-        tiles = m_tiles * group * r_blocks
-        sizes = (tree_group(splits), triton.cdiv(splits, tree_group(splits)))
-        held = None if scratch is None else scratch.take(x.device, tiles * (splits + sizes[1]) * block_m * block_r,
-                                                         tiles * (sizes[1] + 1))  # fmt: skip
-        if held is None:
-            splits, k_per_split, sizes = 1, triton.cdiv(features, block_k) * block_k, (1, 1)
-        else:
-            slots, counts = held
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
-        x, *a_args, workspace, slots, counts, rows, features, rank, x.stride(0), k_per_split,
-        R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        ORDERED=ordered and splits > 1, GROUP=sizes[0], GROUPS=sizes[1], **launch_options(x.device),
+        x, *a_args, *shrunk.pointers(), rows, features, rank, x.stride(0),
+        k_per_split, fixed_limit(splits), R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r,
+        BLOCK_K=block_k, PRECISION=precision, FIXED=ordered, **launch_options(x.device),
     )  # fmt: skip
-    return workspace[: group * rows * r_pad].view(group, rows, r_pad)
+    return shrunk
 
 
 def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None,
                 ordered: bool = False) -> None:  # fmt: skip
     """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
 
-    x [M, K]; y_i [M, n_i] contiguous. workspace: zeroed fp32 of at least len(items) * M * padded_rank(r)
-    elements (allocated here when None). Three launches at most (zeroing, shrink, expand); no host sync.
+    x [M, K]; y_i [M, n_i] contiguous. workspace: flat zeroed fp32 of at least `workspace_elements` (allocated here
+    when None). ordered: deterministic shrink (`shrink_`). Three launches at most (zeroing, shrink, expand); no
+    host sync.
     """
     rows = x.shape[0]
     group = len(items)
@@ -210,7 +243,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     scales = [float(s) for _, (_, _, s) in items]
     rank = lora_bs[0].shape[1]
     r_pad = padded_rank(rank)
-    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
+    shrunk = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = triton.cdiv(rows, block_m)
@@ -224,9 +257,9 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     s_args = scales + [scales[0]] * pad
     round_adapter = lora_bs[0].dtype != torch.float32
     _expand_kernel[(m_tiles, sum(tiles))](
-        workspace, *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
+        *shrunk.pointers(), *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=r_pad, ROUND_ADAPTER=round_adapter, PRECISION=precision,
-        **launch_options(x.device),
+        FIXED=shrunk.fixed, **launch_options(x.device),
     )  # fmt: skip
 
 
@@ -235,18 +268,19 @@ class GroupedLoRA:
 
     `begin(rows, calls, rank)` at the start of a forward zeroes one workspace for all of its calls (one memset per
     decode step instead of one per projection group); calls past it, or of a larger rank, allocate their own.
+    ordered: deterministic shrinks (fixed-point sums, `shrink_`).
     """
 
     def __init__(self, tf32: bool = True, ordered: bool = False):
         self.tf32 = tf32
-        self.ordered = ordered  # deterministic shrinks (unsplit here: this path holds no scratch)
+        self.ordered = ordered
         self._workspace = None
         self._offset = 0
         self._r_pad = 0
 
     def begin(self, rows: int, calls: int, rank: int, device: torch.device) -> None:
         self._r_pad = padded_rank(max(rank, 1))
-        size = calls * MAX_GROUP * rows * self._r_pad
+        size = calls * workspace_elements(MAX_GROUP, rows, self._r_pad, self.ordered)
         self._offset = 0
         if size * 4 > WORKSPACE_BYTES:  # a long prefill: per-call buffers are smaller
             self._workspace = None
@@ -270,5 +304,5 @@ class GroupedLoRA:
                 add_lora_(x, chunk)
                 continue
             rank = chunk[0][1][0].shape[0]
-            workspace = self.take(len(chunk) * x.shape[0] * padded_rank(rank), rank)
+            workspace = self.take(workspace_elements(len(chunk), x.shape[0], rank, self.ordered), rank)
             lora_group_(x, chunk, self.tf32, workspace, ordered=self.ordered)

@@ -1,0 +1,186 @@
+"""The deterministic LoRA shrink (`lora.shrink_(ordered=True)`): K split over several programs whose fp32 partial
+sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics.
+
+The arithmetic, stated: with n K splits (64 input features each, the last one partial) whose fp32 partial sums are
+p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the integers are added
+(exactly, so in any order), and the total is converted to fp32 once (round to nearest) and scaled by 2**-32. A
+partial that is not finite or not below `fixed_limit(n)` poisons its row: the row reads NaN. In Triton's
+interpreter (the CPU) programs run one after another, so these tests pin the arithmetic bit for bit; the CUDA test
+runs the launch where programs finish in any order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimrl.rollout.kernels import lora as lora_kernels
+from slimrl.rollout.kernels.common import FIXED_BITS, fixed_limit
+from slimrl.rollout.kernels.lora import padded_rank, shrink_
+from tests.rollout.helpers import KERNEL_DEVICE
+from tests.tolerances import assert_close
+
+F32, BF16 = torch.float32, torch.bfloat16
+SPLIT_K = 64  # input features per K split at these shapes (one BLOCK_K: a launch this small splits K finely)
+
+# (rows, features, rank, x dtype, adapter dtype, adapters): 1, 2, 5, 9 and 24 splits, rows filling part of a 16- and
+# a 32-row tile (65: two 64-row tiles, the second with one row), ranks 8 and 64 (two rank blocks), fp32 and bf16
+CASES = [
+    (1, 40, 8, F32, F32, 1),  # one split
+    (17, 64, 64, BF16, F32, 1),
+    (3, 70, 64, BF16, BF16, 1),  # 2 splits
+    (17, 128, 8, F32, F32, 2),
+    (1, 300, 64, F32, F32, 1),  # 5 splits
+    (65, 300, 16, F32, F32, 2),
+    (3, 540, 8, F32, F32, 3),  # 9 splits
+    (1, 540, 64, BF16, BF16, 1),
+    (17, 1500, 64, BF16, F32, 1),  # 24 splits (W1's q/k/v and gate/up shrink count)
+    (3, 1536, 8, BF16, F32, 3),
+]
+
+
+def recorded_launches(monkeypatch) -> list:
+    """(grid, FIXED) of every `_shrink_kernel` launch from now on."""
+    launches = []
+    real = lora_kernels._shrink_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((tuple(grid), kwargs["FIXED"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(lora_kernels, "_shrink_kernel", Recorded())
+    return launches
+
+
+def make_inputs(rows, features, rank, x_dtype, a_dtype, adapters, device=KERNEL_DEVICE):
+    g = torch.Generator(device=device).manual_seed(1000 * rows + features + rank)
+    x = torch.randn(rows, features, generator=g, device=device).to(x_dtype)
+    lora_as = [(torch.randn(rank, features, generator=g, device=device) * features**-0.5).to(a_dtype)
+               for _ in range(adapters)]  # fmt: skip
+    return x, lora_as
+
+
+def split_partials(x, lora_as) -> list[torch.Tensor]:
+    """Each K split's fp32 partial sums [G, M, R_PAD], from an unsplit atomic launch over that split's input features
+    alone (the same products, in the same K step, as the split program's; added once to zero, so exact)."""
+    parts = []
+    for lo in range(0, x.shape[1], SPLIT_K):
+        lora_slices = [a[:, lo : lo + SPLIT_K].contiguous() for a in lora_as]
+        parts.append(shrink_(x[:, lo : lo + SPLIT_K], lora_slices, tf32=False).sums.clone())
+    return parts
+
+
+def fixed_point_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The stated arithmetic in plain PyTorch: each part truncated to units of 2**-32, summed as int64, converted."""
+    units = sum((part.double() * 2.0**FIXED_BITS).trunc().long() for part in parts)
+    return units.float() * 2.0**-FIXED_BITS
+
+
+@pytest.mark.parametrize("rows, features, rank, x_dtype, a_dtype, adapters", CASES)
+def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch, rows, features, rank, x_dtype,
+                                                                     a_dtype, adapters):  # fmt: skip
+    """Against peft's math (x cast to the adapter dtype, fp32 products) within fp32 summation noise; bit for bit
+    against the per-split partials summed as the docstring states; twice, the same bits."""
+    x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
+    splits = -(-features // SPLIT_K)
+    launches = recorded_launches(monkeypatch)
+    runs = [shrink_(x, lora_as, tf32=False, ordered=True) for _ in range(2)]
+    assert [(grid[2], fixed) for grid, fixed in launches] == [(splits, True)] * 2
+    got = runs[0]
+    r_pad = padded_rank(rank)
+    assert got.sums.dtype == torch.int64 and got.sums.shape == (adapters, rows, r_pad)
+    assert torch.equal(runs[0].sums, runs[1].sums), "the same inputs gave other bits"
+    assert not got.poison.any(), "finite inputs poisoned a row"
+    values = got.values()
+    expected = torch.stack([x.to(a.dtype).float() @ a.float().t() for a in lora_as])
+    assert_close(values[..., :rank], expected, "fp32_sum", name="fixed-point shrink")
+    assert not values[..., rank:].any(), "the shrink past the rank must be zero"
+    assert torch.equal(values, fixed_point_sum(split_partials(x, lora_as))), "not the stated fixed-point sum"
+
+
+def test_fixed_point_shrink_poisons_rows_it_cannot_hold():
+    """A NaN, an infinity and a value whose products pass `fixed_limit` in three rows of x: those rows read NaN
+    in every adapter's columns (the float sum gives NaN for the first two and a huge value for the third), and
+    the other rows are the exact fixed-point sums; the expand (`lora_group_`) carries the NaN into those rows of
+    the outputs only."""
+    x, lora_as = make_inputs(7, 300, 8, F32, F32, 2)
+    x[1, 10], x[3, 200], x[5, 0] = float("nan"), float("inf"), 1e20
+    got = shrink_(x, lora_as, tf32=False, ordered=True)
+    values = got.values()
+    bad = torch.tensor([False, True, False, True, False, True, False])
+    assert torch.isnan(values[:, bad]).all(), "a row with a share out of range was not poisoned"
+    assert torch.isfinite(values[:, ~bad]).all() and not got.poison[:, ~bad].any()
+    clean = x.clone()
+    clean[bad] = 0.0
+    assert torch.equal(values[:, ~bad], shrink_(clean, lora_as, tf32=False, ordered=True).values()[:, ~bad])
+
+    outputs = [torch.zeros(7, 24, device=KERNEL_DEVICE) for _ in lora_as]
+    items = [(y, (a, torch.randn(24, 8, device=KERNEL_DEVICE), 0.5)) for y, a in zip(outputs, lora_as, strict=True)]
+    lora_kernels.lora_group_(x, items, tf32=False, ordered=True)
+    for y in outputs:
+        assert torch.isnan(y[bad]).all() and torch.isfinite(y[~bad]).all()
+
+
+def test_fixed_limit_keeps_every_sum_inside_int64():
+    """n shares each just below fixed_limit(n) sum to less than 2**62 units of 2**-32, for every n up to 4,096."""
+    for shares in range(1, 4097):
+        limit = fixed_limit(shares)
+        assert shares * limit * 2.0**FIXED_BITS <= 2.0**62, shares
+        assert limit >= 2.0**17, "the range should not shrink below what a working model's shrink can reach"
+
+
+def test_fixed_point_and_atomic_shrinks_agree():
+    """Two 64-row tiles, three adapters, 16 splits: the atomic path and the fixed-point one give the same sums up
+    to fp32 summation order."""
+    x, lora_as = make_inputs(70, 1000, 8, F32, F32, 3)
+    atomic = shrink_(x, lora_as, tf32=False)
+    fixed = shrink_(x, lora_as, tf32=False, ordered=True)
+    assert atomic.poison is None and atomic.sums.dtype == torch.float32
+    assert_close(atomic.values(), fixed.values(), "fp32_sum", name="atomic vs fixed-point shrink")
+
+
+def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
+    """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, and every
+    shrink of the decode steps and the prefill ran as fixed point with its K split (hidden 192: three splits)."""
+    from slimrl.rollout.engine import RolloutEngine
+    from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
+
+    model = no_eos(with_lora(build("qwen2", hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                                   intermediate_size=160)))  # fmt: skip
+    tokens = 3
+    expected = hf_greedy(model, PROMPTS, tokens, eos_token_id=None)
+    launches = recorded_launches(monkeypatch)
+    engine = RolloutEngine(model.to(KERNEL_DEVICE), max_seq_len=64, triton_lora=True, triton_attention=True,
+                           fused_decode=True, deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
+    assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
+    steps, layers = tokens - 1, 2  # the first token comes from the prefill
+    decode = [(grid[2], fixed) for grid, fixed in launches if grid[0] == 1]  # one row tile: the decode steps'
+    assert len(decode) >= steps * layers * 3 and set(decode) == {(3, True)}, "a shrink was not split fixed point"
+
+
+@pytest.mark.cuda
+def test_fixed_point_shrink_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
+    """W1's q/k/v shrink (64 rows, 1536 features, rank 64, bf16 x, fp32 A, TF32 products as shipped): 24 splits. On a
+    GPU the programs finish in another order each run; the bits may not change, eagerly or replayed from a CUDA
+    graph. Also against x · Aᵀ."""
+    x, lora_as = make_inputs(64, 1536, 64, BF16, F32, 3, device="cuda")
+    launches = recorded_launches(monkeypatch)
+    runs = [shrink_(x, lora_as, tf32=True, ordered=True).values() for _ in range(3)]
+    assert launches[0] == ((1, 6, 24), True), "the launch did not split K as W1's does"
+    workspace = torch.zeros(lora_kernels.workspace_elements(3, 64, 64, True), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        shrunk = shrink_(x, lora_as, workspace, tf32=True, ordered=True)
+    for _ in range(3):
+        workspace.zero_()
+        graph.replay()
+        runs.append(shrunk.values())
+    torch.cuda.synchronize()
+    for i, run in enumerate(runs[1:], 1):
+        assert torch.equal(runs[0], run), f"run {i} ({'graph' if i > 2 else 'eager'}) gave other bits than run 0"
+    expected = torch.stack([x.float() @ a.t() for a in lora_as])
+    error = float((runs[0][..., :64] - expected).abs().max() / expected.abs().max())
+    assert error < 1e-2, f"the shrink is off by {error:.3g} of its largest magnitude (TF32 products)"
