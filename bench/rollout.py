@@ -266,22 +266,27 @@ def section_prefill(bench: Bench) -> None:
 
 def section_greedy(bench: Bench, fp32: bool = False) -> None:
     """Engine greedy vs `generate` greedy, 64 tokens, 8 left-padded prompts of different lengths. bf16: reported (a
-    random model's near-ties flip with the order of roundings). fp32, TF32 off: the same math: every row identical."""
-    model, engine, tf32 = bench.model, bench.engine, torch.backends.cuda.matmul.allow_tf32
+    random model's near-ties flip with the order of roundings). fp32, TF32 off: the same math: every row identical,
+    checked with the default kernels and with the deterministic ones (the trainers' default)."""
+    model, tf32 = bench.model, torch.backends.cuda.matmul.allow_tf32
+    prompts = bench.prompts(8, seed=1, vary=True)
+    runs = {"greedy_fp32": {}, "greedy_fp32_deterministic": {"deterministic": True}} if fp32 else {"greedy_bf16": {}}
     try:
         if fp32:
             bench.engine.release(keep_graph=False)
             torch.backends.cuda.matmul.allow_tf32 = False
             model = bench.model.float()
-            engine = bench.new_engine()
-        prompts = bench.prompts(8, seed=1, vary=True)
-        out = engine.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=64)
-        bench.report["greedy_fp32" if fp32 else "greedy_bf16"] = result = common.greedy_agreement(
-            model, prompts, out.completion_ids, 64)  # fmt: skip
+        for key, how in runs.items():
+            engine = bench.new_engine(**how) if fp32 else bench.engine
+            out = engine.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=64)
+            bench.report[key] = result = common.greedy_agreement(model, prompts, out.completion_ids, 64)
+            if fp32:
+                engine.release(keep_graph=False)
+                if result["identical_rows"] != result["rows"]:
+                    bench.report["problems"].append(f"{key}: differs from generate: prefixes "
+                                                    f"{result['matching_prefix']}")  # fmt: skip
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    if fp32 and result["identical_rows"] != result["rows"]:
-        bench.report["problems"].append(f"fp32 greedy differs from generate: prefixes {result['matching_prefix']}")
 
 
 def section_profile(bench: Bench) -> None:

@@ -43,6 +43,7 @@ def test_tiny_run_records_every_section_that_runs_here(rollout, tmp_path):
     assert saved["prefill_profile"]["top"], "the profile of a prefill lists its kernels (CPU: operators)"
     assert saved["greedy_bf16"]["rows"] == 8
     assert saved["greedy_fp32"]["identical_rows"] == 8  # fp32: the engine's math is generate's
+    assert saved["greedy_fp32_deterministic"]["identical_rows"] == 8  # and the deterministic kernels' too
     assert saved["hf"]["B2"]["tokens"] == 2 * 4
     assert saved["skipped"]["cb"] == "--skip" and "cb" not in saved
     if not torch.cuda.is_available():
@@ -88,7 +89,7 @@ def test_a_failed_check_and_a_raising_section_are_problems(rollout, tmp_path, mo
     saved = json.loads(out.read_text())
     assert report.exit_status() == 1
     assert any(p.startswith("prefill raised RuntimeError: injected") for p in saved["problems"]), saved["problems"]
-    assert any(p.startswith("fp32 greedy differs from generate") for p in saved["problems"]), saved["problems"]
+    assert any(p.startswith("greedy_fp32: differs from generate") for p in saved["problems"]), saved["problems"]
     assert "injected profiler failure" in saved["errors"]["prefill"]
     assert saved["greedy_fp32"]["identical_rows"] == 7  # the section ran after the one that raised
 
