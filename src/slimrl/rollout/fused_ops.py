@@ -105,9 +105,9 @@ class FusedDecode:
     head_dim: int
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
-    # deterministic: the LoRA shrinks' partial sums (K splits; the gate/up kernel's column tiles for down's shrink)
-    # meet as fixed-point integers (`kernels.common.fixed_add`) instead of fp32 atomics, so no sum depends on the
-    # order in which the programs finish
+    # deterministic: the LoRA shrinks' K splits meet as fixed-point integers (`kernels.common.fixed_add`) instead of
+    # fp32 atomics, so no sum depends on the order in which the programs finish; down's shrink is then a launch of
+    # its own, not fp32 shares from every column tile of the gate/up kernel
     ordered: bool = False
     choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None
@@ -246,19 +246,20 @@ class FusedDecode:
 
     def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
         """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
-        same launch (as fixed point when `ordered`) and picked up by the next `linear(act, down)`."""
+        same launch by fp32 atomics and picked up by the next `linear(act, down)` (not when `ordered`: down then runs
+        its own fixed-point shrink)."""
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
-        if down is not None and down.module is None and len(down.loras) == 1 and self._ready(h):
+        if down is not None and not self.ordered and down.module is None and len(down.loras) == 1 and self._ready(h):
             lora_a = down.loras[0][0]
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)
             if lora_a.is_contiguous() and rank <= 128 and lora_a.dtype in dtypes:
                 rows, padded = h.shape[0], lora_kernels.padded_rank(rank)
-                workspace = self.lora.take(lora_kernels.workspace_elements(1, rows, rank, self.ordered), rank)
+                workspace = self.lora.take(lora_kernels.workspace_elements(1, rows, rank, False), rank)
                 if workspace is not None:
-                    next_shrink = (lora_a, lora_kernels.shrunk_views(workspace, 1, rows, padded, self.ordered))
+                    next_shrink = (lora_a, lora_kernels.shrunk_views(workspace, 1, rows, padded, False))
         act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
         if act is not None and next_shrink is not None:
             self._shrunk = (act, next_shrink[0], next_shrink[1])

@@ -1,6 +1,7 @@
-"""The deterministic decode (`FusedDecode(ordered=True)`, the trainers' default) keeps the down projection's LoRA
-shrink in the gate/up kernel: each column tile's share of act · A_downᵀ is added as fixed point
-(`common.fixed_add`), whose integer sums do not depend on the order in which the tiles finish.
+"""The MLP of the deterministic decode (`FusedDecode(ordered=True)`, the trainers' default): the gate/up kernel does
+not take the down projection's LoRA shrink (fp32 shares from every column tile would meet by atomics, and as fixed
+point they cost more than a launch of their own: bench/shrink_splits.py); down runs `lora.shrink_(ordered=True)`,
+whose K splits meet as fixed point (`common.fixed_add`). The default mode keeps the fused fp32 shrink.
 
 In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic; the CUDA test
 at the end runs the same launches on a GPU, where programs finish in any order, and checks that the bits do not
@@ -46,13 +47,13 @@ def ordered_ops(dtype, rank, rows, block_n=None):
 
 
 def counted_shrinks(monkeypatch) -> list:
-    """One entry per `shrink_` launch (FusedDecode's own groups) from now on."""
+    """The `lora.Shrunk` of every `shrink_` launch (FusedDecode's own groups) from now on."""
     calls = []
     real = lora_kernels.shrink_
 
     def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
 
     monkeypatch.setattr(lora_kernels, "shrink_", counted)
     return calls
@@ -64,79 +65,58 @@ ODD_SHAPES = [(1, 8, torch.float32, "fp32_sum"), (1, 64, torch.bfloat16, "bf16")
 
 
 @pytest.mark.parametrize("rows, rank, dtype, kind", ODD_SHAPES)
-def test_ordered_fused_down_shrink_matches_the_reference(rows, rank, dtype, kind):
-    """gate/up with the down shrink in its epilogue, then down, against peft's math (fp32 adapters on an fp32 or
-    bf16 model); the shrink itself (the fixed-point sum) against act · Aᵀ in fp32, zero past the rank. Rows 1 and 3
-    fill part of a 16-row tile and 17 part of a 32-row one; the gate/up launch has 9 or 5 column tiles."""
+def test_deterministic_mlp_matches_the_reference(monkeypatch, rows, rank, dtype, kind):
+    """gate/up, then down with its own fixed-point shrink, against peft's math (fp32 adapters on an fp32 or bf16
+    model); down's shrink against act · Aᵀ in fp32, zero past the rank. Rows 1 and 3 fill part of a 16-row tile and
+    17 part of a 32-row one."""
     g = torch.Generator(device=DEVICE).manual_seed(100 * rows + rank)
     x = rand(g, rows, HIDDEN, dtype=dtype)
     gate, up = (lora_spec(g, WIDTH, HIDDEN, dtype, rank, s) for s in (0.5, 1.5))
     down = lora_spec(g, OUT, WIDTH, dtype, rank, 0.25)
+    shrinks = counted_shrinks(monkeypatch)
     ops, _ = ordered_ops(dtype, rank, rows)
     act = ops.gate_up(x, gate, up, down)
-    assert act is not None and ops._shrunk is not None, "the ordered gate/up kernel did not take the down shrink"
-    assert ops._shrunk[2].fixed, "the deterministic gate/up kernel should leave a fixed-point shrink"
-    shrunk = ops._shrunk[2].values()[0]  # [rows, padded rank]
+    assert act is not None and ops._shrunk is None, "the deterministic gate/up kernel took down's shrink"
     out = ops.linear(act, down, "down")
-    assert out is not None
+    assert out is not None and len(shrinks) == 2 and all(s.fixed for s in shrinks), "gate/up's and down's shrinks"
 
     assert_close(act.float(), silu_mul(*project(x, (gate, up), add_lora_)).float(), kind, name="silu(gate) * up")
     lora_a = down.loras[0][0]
+    shrunk = shrinks[1].values()[0]
     assert_close(shrunk[:, :rank], act.to(lora_a.dtype).float() @ lora_a.float().t(), "fp32_sum", name="down shrink")
     assert not shrunk[:, rank:].any(), "the shrink past the rank must be zero"
     (want,) = project(act, (down,), add_lora_)
     assert_close(out.float(), want.float(), kind, name="down")
 
 
-@pytest.mark.parametrize("dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                   (torch.float32, torch.bfloat16)])  # fmt: skip
-def test_fused_shrink_is_the_unfused_fixed_point_shrink_bit_for_bit(dtype, adapter_dtype):
-    """With 64-column tiles, tile t's share is the dot over act's columns 64t..64t+63, which is one K split of
-    `lora.shrink_(ordered=True)` (64 columns per split); both truncate each share to units of 2**-32 and add the
-    integers, so the fused shrink equals the unfused one over all of act, integer for integer; twice in a row.
-    Rank 16: both kernels take the same [rows, 64] x [64, 16] products; bf16 adapters on an fp32 model: both cast
-    act to the adapter's dtype first, as peft does."""
-    rows, rank, width = 5, 16, 64 * 7 + 20  # 8 tiles, the last one partial
-    g = torch.Generator(device=DEVICE).manual_seed(7)
-    x = rand(g, rows, HIDDEN, dtype=dtype)
-    gate, up = (lora_spec(g, width, HIDDEN, dtype, rank, s, adapter_dtype) for s in (0.5, 1.5))
-    down = lora_spec(g, OUT, width, dtype, rank, 0.25, adapter_dtype)
-    shrinks = []
-    for _ in range(2):
-        ops, _ = ordered_ops(dtype, rank, rows, block_n=64)
-        act = ops.gate_up(x, gate, up, down)
-        shrinks.append(ops._shrunk[2].sums[0].clone())
-    assert torch.equal(shrinks[0], shrinks[1]), "the same inputs gave other bits"
-    want = lora_kernels.shrink_(act, [down.loras[0][0]], tf32=False, ordered=True)
-    assert torch.equal(shrinks[0], want.sums[0]), "the fused shares are not the unfused shrink's fixed-point sum"
-
-
-def test_ordered_gate_up_takes_the_fused_down_shrink(monkeypatch):
-    """The deterministic gate/up launch computes down's shrink (no `shrink_` for down), bound to a decode step or
-    not (the prefill): fixed point needs no scratch; down finds its shrink done and right both times."""
+def test_default_gate_up_keeps_the_fused_down_shrink_and_refuses_a_fixed_one(monkeypatch):
+    """The default mode's gate/up launch computes down's shrink (no `shrink_` for down), cast to the adapter's dtype
+    as peft casts (bf16 adapters on an fp32 model); `project` refuses a fixed-point workspace for it."""
     rows, rank, dtype = 3, 8, torch.float32
     g = torch.Generator(device=DEVICE).manual_seed(9)
     x = rand(g, rows, HIDDEN, dtype=dtype)
-    gate, up = (lora_spec(g, WIDTH, HIDDEN, dtype, rank, s) for s in (0.5, 1.5))
-    down = lora_spec(g, OUT, WIDTH, dtype, rank, 0.25)
+    gate, up = (lora_spec(g, WIDTH, HIDDEN, dtype, rank, s, torch.bfloat16) for s in (0.5, 1.5))
+    down = lora_spec(g, OUT, WIDTH, dtype, rank, 0.25, torch.bfloat16)
     calls = counted_shrinks(monkeypatch)
-    ops, _ = ordered_ops(dtype, rank, rows)
+    ops, grouped = fused_ops(True, dtype)
+    grouped.begin(rows, 4, rank, torch.device(DEVICE))
     act = ops.gate_up(x, gate, up, down)
-    assert len(calls) == 1, "gate/up should run its own shrink only"
-    bound = ops.linear(act, down, "down")
+    assert len(calls) == 1 and ops._shrunk is not None, "gate/up should run its own shrink and take down's"
+    got = ops.linear(act, down, "down")
     assert len(calls) == 1, "down ran a shrink of its own"
-
-    ops.bind(None)
-    unbound = ops.linear(ops.gate_up(x, gate, up, down), down, "down")
-    assert len(calls) == 2, "without a step bound, down should still find its shrink done"
     (want,) = project(act, (down,), add_lora_)
-    for name, got in (("bound to a step", bound), ("unbound", unbound)):
-        assert_close(got, want, "fp32_sum", name=f"down, {name}")
+    assert_close(got, want, "bf16", name="down after the fused shrink")
+
+    fixed = lora_kernels.shrunk_views(torch.zeros(lora_kernels.workspace_elements(1, rows, rank, True)), 1, rows,
+                                      16, True)  # fmt: skip
+    with pytest.raises(ValueError, match="next_shrink takes an fp32 workspace"):
+        projections.project(x, (gate.weight, up.weight), None, None, None, torch.empty_like(act), True,
+                            next_shrink=(down.loras[0][0], fixed))  # fmt: skip
 
 
 def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch):
     """The engine with fused_decode and deterministic on (the trainers' default) decodes greedily as transformers'
-    generate in fp32, and every gate/up launch took down's shrink as fixed point."""
+    generate in fp32; no gate/up launch took down's shrink, and every shrink ran as fixed point."""
     from slimrl.rollout.engine import RolloutEngine
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
 
@@ -145,10 +125,11 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
 
     def counted(*args, **kwargs):
         if args[6]:  # pair: the gate/up launch
-            fused_down.append(kwargs.get("next_shrink") is not None and kwargs["next_shrink"][1].fixed)
+            fused_down.append(kwargs.get("next_shrink") is not None)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(projections, "project", counted)
+    shrinks = counted_shrinks(monkeypatch)
     # intermediate 160: 5 gate/up column tiles of 32, groups of 3 and 2
     model = no_eos(with_lora(build("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                                    intermediate_size=160)))  # fmt: skip
@@ -160,13 +141,14 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
     completions = engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids
     assert completions == expected
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
-    assert len(fused_down) >= steps * layers and all(fused_down), "a gate/up ran without down's fixed-point shrink"
+    assert len(fused_down) >= steps * layers and not any(fused_down), "a deterministic gate/up took down's shrink"
+    assert len(shrinks) >= steps * layers * 4 and all(s.fixed for s in shrinks), "a shrink was not fixed point"
 
 
 @pytest.mark.cuda
 def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
     """W1's MLP (64 rows, hidden 1536, intermediate 8960, LoRA r=64 in fp32 on a bf16 model) on the shipped
-    settings: gate/up with the fixed-point down shrink, then down, five times; the programs finish in a different order
+    settings: gate/up, then down with its fixed-point shrink, five times; the programs finish in a different order
     each time on a GPU, the bits may not change. The shrink is also checked against act · Aᵀ (TF32 products)."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
     from slimrl.rollout.kernels.lora import GroupedLoRA
@@ -184,9 +166,9 @@ def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeyp
     for _ in range(5):
         grouped.begin(rows, 4, rank, torch.device("cuda"))
         act = ops.gate_up(x, gate, up, down)
-        shrunk = ops._shrunk[2].values()[0]
-        runs.append((act, shrunk, ops.linear(act, down, "down")))
-    assert len(calls) == 5, "down's shrink did not ride in the gate/up launch"
+        out = ops.linear(act, down, "down")
+        runs.append((act, calls[-1].values()[0], out))
+    assert len(calls) == 10 and all(s.fixed for s in calls), "gate/up's and down's shrinks, fixed point"
     for i, run in enumerate(runs[1:], 1):
         for name, first, again in zip(("act", "down shrink", "down"), runs[0], run, strict=True):
             assert torch.equal(first, again), f"{name}: run {i} gave other bits than run 0"

@@ -33,6 +33,9 @@ from slimrl.rollout.model.reference import add_lora_
 
 MAX_GROUP = 3  # adapters per launch (q, k, v)
 TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H100)
+# with fixed-point sums: int64 atomics have no vector form (fp32 ones go four at a time), so fewer K splits pay
+# (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together at 128)
+TARGET_PROGRAMS_FIXED = 128
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
@@ -216,7 +219,8 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
     # split K until there are a few programs per SM: a decode step has few rows, so K is the parallel dimension
-    splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(TARGET_PROGRAMS, m_tiles * group * r_blocks)))
+    target = TARGET_PROGRAMS_FIXED if ordered else TARGET_PROGRAMS
+    splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(target, m_tiles * group * r_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from slimrl.rollout.kernels import interpreting
 from slimrl.rollout.kernels.common import block_m as rows_per_program
-from slimrl.rollout.kernels.common import enter, fixed_add, fixed_limit, precision, round_to, tile_columns
+from slimrl.rollout.kernels.common import enter, precision, round_to, tile_columns
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
 from slimrl.rollout.kernels.lora import Shrunk
@@ -40,12 +40,11 @@ __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
 
 @triton.jit
 def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_ptr, ws_ptr, pz_ptr, lb0_ptr, lb1_ptr,
-                 s0, s1, out_ptr, an_ptr, wsn_ptr, pzn_ptr, sp_ptr, cnt_ptr, M, N, K, R, RN, COLS, limit_n,
+                 s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, M, N, K, R, RN, COLS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, PAIR: tl.constexpr,
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
-                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, FIXED: tl.constexpr, FIXED_NEXT: tl.constexpr,
-                 PDL: tl.constexpr):  # fmt: skip
+                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     lanes = tl.arange(0, BN)
@@ -70,14 +69,11 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
         offs_r = tl.arange(0, RN_PAD)
         a = tl.load(an_ptr + offs_r[:, None] * N + offs_n[None, :], mask=(offs_r[:, None] < RN) & n_ok[None, :],
                     other=0.0)  # fmt: skip
-        shares = wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :]
-        if FIXED_NEXT:  # out cast to the adapter's dtype (peft's cast, as in `shrink_`); shares meet as fixed point
-            part = tl.dot(tl.where(tile, out.to(a.dtype).to(tl.float32), 0.0), tl.trans(a.to(tl.float32)),
-                          input_precision=PRECISION)  # fmt: skip
-            fixed_add(shares, pzn_ptr + offs_m, part, m_ok, m_ok[:, None], limit_n)
-        else:  # the shares meet by atomic adds in the zeroed workspace, in whatever order the programs finish
-            part = tl.dot(tl.where(tile, out, 0.0), tl.trans(a.to(tl.float32)), input_precision=PRECISION)
-            tl.atomic_add(shares, part, mask=m_ok[:, None], sem="relaxed")
+        # out cast to the adapter's dtype (peft's cast, as in `shrink_`); the shares meet by atomic adds in the
+        # zeroed workspace, in whatever order the programs finish
+        part = tl.dot(tl.where(tile, out.to(a.dtype).to(tl.float32), 0.0), tl.trans(a.to(tl.float32)),
+                      input_precision=PRECISION)  # fmt: skip
+        tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -231,12 +227,13 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
 
     weights (W0[, W1]) [N, K] contiguous and biases (or None) for the GEMM, or outputs (y0[, y1]) [M, N] contiguous
     precomputed base outputs; lora None or (`lora.Shrunk` [G, M, R_PAD], (B0[, B1]), (s0[, s1])).
-    next_shrink: None or (A [R', N] contiguous, a zeroed `lora.Shrunk` [1, M, R'_PAD]): also compute out · Aᵀ
-    there, the LoRA shrink of the projection that reads `out` next. Each column tile's share is added by fp32
-    atomics, or, when that Shrunk is fixed point, by `common.fixed_add`, so that the result depends only on the
-    inputs. block_m: rows per program (0 = up to 64 by the row count); per_sm: spread the columns over about that
-    many programs per SM (`tile_columns`); split_k: programs that share each tile's K (`_split_gemm`; with the
-    kernel's own GEMM and a `SplitScratch` only). Returns out."""
+    next_shrink: None or (A [R', N] contiguous, a zeroed fp32 `lora.Shrunk` [1, M, R'_PAD]): also compute out · Aᵀ
+    there, the LoRA shrink of the projection that reads `out` next, each column tile's share added by fp32 atomics
+    (so its last bits vary from run to run: the deterministic engine runs `lora.shrink_(ordered=True)` for it
+    instead, which is faster than fixed-point shares from every column tile). block_m: rows per program (0 = up to
+    64 by the row count); per_sm: spread the columns over about that many programs per SM (`tile_columns`);
+    split_k: programs that share each tile's K (`_split_gemm`; with the kernel's own GEMM and a `SplitScratch`
+    only). Returns out."""
     rows, features = x.shape
     gemm = weights is not None
     has_bias = gemm and biases is not None and biases[0] is not None
@@ -256,6 +253,9 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
         return (items[0], items[1] if len(items) > 1 else items[0])
 
     next_a, next_shrunk = next_shrink if next_shrink is not None else (x, Shrunk(x))
+    if next_shrunk.fixed:
+        raise ValueError("project: next_shrink takes an fp32 workspace; run lora.shrink_(ordered=True) for a "
+                         "deterministic shrink of the output instead")  # fmt: skip
     next_rank = next_a.shape[0] if next_shrink is not None else 1
     next_pad = next_shrunk.sums.shape[-1] if next_shrink is not None else 16
     block_m = rows_per_program(rows, block_m)
@@ -266,11 +266,11 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
                                           block_k)  # fmt: skip
     _proj_kernel[(*tiles, split)](
         x, x.stride(0), *two(w), *two(b), *two(y), *shrunk.pointers(), *two(lora_bs), *two(scales), out, next_a,
-        *next_shrunk.pointers(), partials, counts, rows, width, features, rank, next_rank, cols,
-        fixed_limit(tiles[1]), BM=block_m, BN=block_n, BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split,
-        GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter,
+        next_shrunk.sums, partials, counts, rows, width, features, rank, next_rank, cols, BM=block_m, BN=block_n,
+        BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split, GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None,
+        ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
-        NEXT=next_shrink is not None, RN_PAD=next_pad, FIXED=shrunk.fixed, FIXED_NEXT=next_shrunk.fixed,
+        NEXT=next_shrink is not None, RN_PAD=next_pad, FIXED=shrunk.fixed,
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device),
     )  # fmt: skip
     return out

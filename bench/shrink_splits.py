@@ -1,0 +1,118 @@
+"""Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against fixed point (the deterministic
+mode, `kernels.common.fixed_add`), for several numbers of K splits, and of the gate/up launch with down's shrink
+in its epilogue (none, fp32 atomics, fixed point) beside a separate fixed-point shrink for down. CUDA-graph replays
+(`triton.testing.do_bench_cudagraph`), random bf16 weights and fp32 adapters (peft's default), LoRA r=64. Report only:
+it says how many splits each mode should aim for and where down's deterministic shrink should run.
+
+    python bench/shrink_splits.py $OUT/shrink_splits.json [--rows 64 256] [--targets 512 256 128 64 32 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import common  # noqa: E402 - bench/common.py
+
+HIDDEN, INTER, RANK = 1536, 8960, 64
+SHRINKS = {"qkv": (3, HIDDEN), "o": (1, HIDDEN), "gate_up": (2, HIDDEN), "down": (1, INTER)}
+
+
+def timed_us(fn) -> float:
+    import triton.testing
+
+    return round(1000 * triton.testing.do_bench_cudagraph(fn, rep=50), 2)
+
+
+def rand(g, *shape, dtype=torch.bfloat16, std=0.02):
+    return (std * torch.randn(*shape, generator=g, device="cuda")).to(dtype)
+
+
+def shrink_times(rows: int, targets, g) -> dict:
+    from slimrl.rollout.kernels import lora
+
+    out = {}
+    for name, (group, features) in SHRINKS.items():
+        x = rand(g, rows, features, std=1.0)
+        lora_as = [rand(g, RANK, features, dtype=torch.float32, std=features**-0.5) for _ in range(group)]
+        for fixed in (False, True):
+            workspace = torch.zeros(lora.workspace_elements(group, rows, RANK, fixed), device="cuda")
+            for target in targets:
+                lora.TARGET_PROGRAMS = target
+                key = f"{name}.{'fixed' if fixed else 'atomic'}.target{target}"
+                out[key] = timed_us(lambda: lora.shrink_(x, lora_as, workspace, True, fixed))  # noqa: B023
+    lora.TARGET_PROGRAMS = 512
+    return out
+
+
+def gate_up_times(rows: int, g) -> dict:
+    """The gate/up launch with the shipped settings: down's shrink in its epilogue or not, and the separate shrink."""
+    from slimrl.rollout.fused_ops import choices_for
+    from slimrl.rollout.kernels import lora, projections
+
+    choices, _ = choices_for(torch.device("cuda"))
+    choice = choices["gate_up"][min(b for b in choices["gate_up"] if b >= rows)]
+    x = rand(g, rows, HIDDEN, std=1.0)
+    weights = (rand(g, INTER, HIDDEN), rand(g, INTER, HIDDEN))
+    lora_as = [rand(g, RANK, HIDDEN, dtype=torch.float32, std=HIDDEN**-0.5) for _ in range(2)]
+    lora_bs = [rand(g, INTER, RANK, dtype=torch.float32) for _ in range(2)]
+    shrunk = lora.shrink_(x, lora_as, None, True, False)
+    down_a = rand(g, RANK, INTER, dtype=torch.float32, std=INTER**-0.5)
+    act = torch.empty(rows, INTER, dtype=torch.bfloat16, device="cuda")
+    scratch = projections.SplitScratch()
+    out = {}
+    for mode in ("none", "atomic", "fixed"):
+        fixed = mode == "fixed"
+        next_ws = torch.zeros(lora.workspace_elements(1, rows, RANK, fixed), device="cuda")
+        nxt = None if mode == "none" else (down_a, lora.shrunk_views(next_ws, 1, rows, 64, fixed))
+
+        def launch(nxt=nxt):
+            projections.project(x, weights, None, None, (shrunk, lora_bs, (2.0, 2.0)), act, True,
+                                block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps,
+                                num_stages=choice.num_stages, next_shrink=nxt, block_m=choice.block_m,
+                                per_sm=choice.per_sm, split_k=choice.split_k, scratch=scratch)  # fmt: skip
+
+        out[f"gate_up.down_shrink_{mode}"] = timed_us(launch)
+    return out
+
+
+def atomic_instructions() -> dict:
+    """The distinct atomic instructions in the PTX of each compiled shrink and gate/up kernel (red or atom, type)."""
+    from slimrl.rollout.kernels import lora, projections
+
+    found = {}
+    for name, kernel in (("shrink", lora._shrink_kernel), ("proj", projections._proj_kernel)):
+        for caches in getattr(kernel, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                ptx = compiled.asm.get("ptx", "")
+                found.setdefault(name, []).append(sorted(set(re.findall(r"\b(?:red|atom)\.[\w.]+", ptx))))
+    return found
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default=common.default_output("shrink_splits.json"))
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--targets", type=int, nargs="+", default=[512, 256, 128, 64, 32, 16])
+    args = parser.parse_args(argv)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    report = {**common.environment(True), "command": sys.argv, "us": {}}
+    for rows in args.rows:
+        report["us"][f"B{rows}"] = {**shrink_times(rows, args.targets, g), **gate_up_times(rows, g)}
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report["atomics_ptx"] = atomic_instructions()
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["us"], indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
