@@ -1,6 +1,6 @@
 """Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against fixed point (the deterministic
-mode, `kernels.common.fixed_add`), for several numbers of K splits, and of the gate/up launch with down's shrink
-in its epilogue (none, fp32 atomics, fixed point) beside a separate fixed-point shrink for down. CUDA-graph replays
+mode, `kernels.common.fixed_add`), for several numbers of K splits, and of the gate/up launch with and without
+down's (fp32) shrink in its epilogue, to set beside down's separate shrink. CUDA-graph replays
 (`triton.testing.do_bench_cudagraph`), random bf16 weights and fp32 adapters (peft's default), LoRA r=64. Report only:
 it says how many splits each mode should aim for and where down's deterministic shrink should run.
 
@@ -69,10 +69,8 @@ def gate_up_times(rows: int, g) -> dict:
     act = torch.empty(rows, INTER, dtype=torch.bfloat16, device="cuda")
     scratch = projections.SplitScratch()
     out = {}
-    for mode in ("none", "atomic", "fixed"):
-        fixed = mode == "fixed"
-        next_ws = torch.zeros(lora.workspace_elements(1, rows, RANK, fixed), device="cuda")
-        nxt = None if mode == "none" else (down_a, lora.shrunk_views(next_ws, 1, rows, 64, fixed))
+    for mode in ("none", "atomic"):
+        nxt = None if mode == "none" else (down_a, torch.zeros(rows, RANK, device="cuda"))
 
         def launch(nxt=nxt):
             projections.project(x, weights, None, None, (shrunk, lora_bs, (2.0, 2.0)), act, True,

@@ -237,8 +237,8 @@ class FusedDecode:
         return projections.project(
             x, weights, biases, outputs, lora, out, pair, block_n=choice.block_n, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
-            next_shrink=next_shrink, block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k,
-            scratch=self._scratch(),
+            next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
+            block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k, scratch=self._scratch(),
         )  # fmt: skip
 
     def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
@@ -256,10 +256,10 @@ class FusedDecode:
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)
             if lora_a.is_contiguous() and rank <= 128 and lora_a.dtype in dtypes:
-                rows, padded = h.shape[0], lora_kernels.padded_rank(rank)
-                workspace = self.lora.take(lora_kernels.workspace_elements(1, rows, rank, False), rank)
+                padded = lora_kernels.padded_rank(rank)
+                workspace = self.lora.take(h.shape[0] * padded, rank)
                 if workspace is not None:
-                    next_shrink = (lora_a, lora_kernels.shrunk_views(workspace, 1, rows, padded, False))
+                    next_shrink = (lora_a, workspace.view(1, h.shape[0], padded))
         act = self._project(h, (gate, up), "gate_up", pair=True, next_shrink=next_shrink)
         if act is not None and next_shrink is not None:
             self._shrunk = (act, next_shrink[0], next_shrink[1])

@@ -1,5 +1,6 @@
 """The deterministic LoRA shrink (`lora.shrink_(ordered=True)`): K split over several programs whose fp32 partial
-sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics.
+sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile to arrive
+converts the sum to fp32.
 
 The arithmetic, stated: with n K splits (64 input features each, the last one partial) whose fp32 partial sums are
 p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the integers are added
@@ -69,7 +70,7 @@ def split_partials(x, lora_as) -> list[torch.Tensor]:
     parts = []
     for lo in range(0, x.shape[1], SPLIT_K):
         lora_slices = [a[:, lo : lo + SPLIT_K].contiguous() for a in lora_as]
-        parts.append(shrink_(x[:, lo : lo + SPLIT_K], lora_slices, tf32=False).sums.clone())
+        parts.append(shrink_(x[:, lo : lo + SPLIT_K], lora_slices, tf32=False).clone())
     return parts
 
 
@@ -83,18 +84,21 @@ def fixed_point_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch, rows, features, rank, x_dtype,
                                                                      a_dtype, adapters):  # fmt: skip
     """Against peft's math (x cast to the adapter dtype, fp32 products) within fp32 summation noise; bit for bit
-    against the per-split partials summed as the docstring states; twice, the same bits."""
+    against the per-split partials summed as the docstring states; twice, the same bits; the arrival counts are
+    back at zero after the launch."""
     x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
     splits = -(-features // SPLIT_K)
     launches = recorded_launches(monkeypatch)
-    runs = [shrink_(x, lora_as, tf32=False, ordered=True) for _ in range(2)]
+    workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, rank, True), device=KERNEL_DEVICE)
+    first = shrink_(x, lora_as, workspace, tf32=False, ordered=True).clone()
+    again = shrink_(x, lora_as, tf32=False, ordered=True)
     assert [(grid[2], fixed) for grid, fixed in launches] == [(splits, True)] * 2
-    got = runs[0]
     r_pad = padded_rank(rank)
-    assert got.sums.dtype == torch.int64 and got.sums.shape == (adapters, rows, r_pad)
-    assert torch.equal(runs[0].sums, runs[1].sums), "the same inputs gave other bits"
-    assert not got.poison.any(), "finite inputs poisoned a row"
-    values = got.values()
+    assert first.dtype == torch.float32 and first.shape == (adapters, rows, r_pad)
+    assert torch.equal(first, again), "the same inputs gave other bits"
+    cells = adapters * rows * r_pad
+    assert not workspace[3 * cells + adapters * rows :].any(), "an arrival count was left set"
+    values = first
     expected = torch.stack([x.to(a.dtype).float() @ a.float().t() for a in lora_as])
     assert_close(values[..., :rank], expected, "fp32_sum", name="fixed-point shrink")
     assert not values[..., rank:].any(), "the shrink past the rank must be zero"
@@ -108,14 +112,13 @@ def test_fixed_point_shrink_poisons_rows_it_cannot_hold():
     the outputs only."""
     x, lora_as = make_inputs(7, 300, 8, F32, F32, 2)
     x[1, 10], x[3, 200], x[5, 0] = float("nan"), float("inf"), 1e20
-    got = shrink_(x, lora_as, tf32=False, ordered=True)
-    values = got.values()
+    values = shrink_(x, lora_as, tf32=False, ordered=True)
     bad = torch.tensor([False, True, False, True, False, True, False])
     assert torch.isnan(values[:, bad]).all(), "a row with a share out of range was not poisoned"
-    assert torch.isfinite(values[:, ~bad]).all() and not got.poison[:, ~bad].any()
+    assert torch.isfinite(values[:, ~bad]).all()
     clean = x.clone()
     clean[bad] = 0.0
-    assert torch.equal(values[:, ~bad], shrink_(clean, lora_as, tf32=False, ordered=True).values()[:, ~bad])
+    assert torch.equal(values[:, ~bad], shrink_(clean, lora_as, tf32=False, ordered=True)[:, ~bad])
 
     outputs = [torch.zeros(7, 24, device=KERNEL_DEVICE) for _ in lora_as]
     items = [(y, (a, torch.randn(24, 8, device=KERNEL_DEVICE), 0.5)) for y, a in zip(outputs, lora_as, strict=True)]
@@ -138,8 +141,7 @@ def test_fixed_point_and_atomic_shrinks_agree():
     x, lora_as = make_inputs(70, 1000, 8, F32, F32, 3)
     atomic = shrink_(x, lora_as, tf32=False)
     fixed = shrink_(x, lora_as, tf32=False, ordered=True)
-    assert atomic.poison is None and atomic.sums.dtype == torch.float32
-    assert_close(atomic.values(), fixed.values(), "fp32_sum", name="atomic vs fixed-point shrink")
+    assert_close(atomic, fixed, "fp32_sum", name="atomic vs fixed-point shrink")
 
 
 def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
@@ -164,11 +166,11 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
 @pytest.mark.cuda
 def test_fixed_point_shrink_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
     """W1's q/k/v shrink (64 rows, 1536 features, rank 64, bf16 x, fp32 A, TF32 products as shipped): 12 splits of
-    128 features (`TARGET_PROGRAMS_FIXED`). On a GPU the programs finish in another order each run; the bits may not change, eagerly or replayed from a CUDA
-    graph. Also against x · Aᵀ."""
+    128 features (`TARGET_PROGRAMS_FIXED`). On a GPU the programs finish in another order each run; the bits may not
+    change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
     x, lora_as = make_inputs(64, 1536, 64, BF16, F32, 3, device="cuda")
     launches = recorded_launches(monkeypatch)
-    runs = [shrink_(x, lora_as, tf32=True, ordered=True).values() for _ in range(3)]
+    runs = [shrink_(x, lora_as, tf32=True, ordered=True).clone() for _ in range(3)]
     assert launches[0] == ((1, 6, 12), True), "the launch did not split K as W1's does"
     workspace = torch.zeros(lora_kernels.workspace_elements(3, 64, 64, True), device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -177,7 +179,7 @@ def test_fixed_point_shrink_at_w1_shape_gives_the_same_bits_every_time(monkeypat
     for _ in range(3):
         workspace.zero_()
         graph.replay()
-        runs.append(shrunk.values())
+        runs.append(shrunk.clone())
     torch.cuda.synchronize()
     for i, run in enumerate(runs[1:], 1):
         assert torch.equal(runs[0], run), f"run {i} ({'graph' if i > 2 else 'eager'}) gave other bits than run 0"

@@ -148,7 +148,8 @@ def fixed_add(sum_ptrs, poison_ptrs, part, rows_ok, mask, limit):
 
 @triton.jit
 def fixed_load(sum_ptrs, poison_ptrs, rows_ok, mask):
-    """The fp32 values [BM, BN] of `fixed_add`'s sums (int64 at sum_ptrs), NaN in rows whose poison is NaN."""
-    units = tl.load(sum_ptrs, mask=mask, other=0)
-    poison = tl.load(poison_ptrs, mask=rows_ok, other=0.0)
+    """The fp32 values [BM, BN] of `fixed_add`'s sums (int64 at sum_ptrs), NaN in rows whose poison is NaN; read
+    from L2 (.cg), where the other programs' atomics landed."""
+    units = tl.load(sum_ptrs, mask=mask, other=0, cache_modifier=".cg")
+    poison = tl.load(poison_ptrs, mask=rows_ok, other=0.0, cache_modifier=".cg")
     return units.to(tl.float32) * _FROM_FIXED + poison[:, None]

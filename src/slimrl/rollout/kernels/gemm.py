@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout.kernels.common import fixed_load, round_to
+from slimrl.rollout.kernels.common import round_to
 
 
 @triton.jit
@@ -118,18 +118,12 @@ def base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n
 
 
 @triton.jit
-def add_lora(y, ws_ptr, pz_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
-              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr,
-              FIXED: tl.constexpr):  # fmt: skip
+def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
+              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """peft's `result + lora_B(lora_A(x)) * scaling`, rounded to the output dtype; lora_A(x) is the shrink
-    workspace [G, M, R_PAD] (`lora.Shrunk`: fp32, or with FIXED int64 fixed point and its poison [G, M] at pz),
-    lora_B is [N, R]."""
+    workspace [G, M, R_PAD] (fp32), lora_B is [N, R]."""
     offs_r = tl.arange(0, R_PAD)
-    xa_ptrs = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    if FIXED:
-        xa = fixed_load(xa_ptrs, pz_ptr + group * M + offs_m, m_ok, m_ok[:, None])
-    else:
-        xa = tl.load(xa_ptrs, mask=m_ok[:, None], other=0.0)
+    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok[:, None], other=0.0)
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
     if ROUND_ADAPTER:  # half-precision adapters: each of peft's steps rounds to the adapter dtype
         xa = round_to(xa, b.dtype)

@@ -8,8 +8,8 @@ live from the model:
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
   in the last bits of fp32), or, `ordered`, as fixed-point integers (`common.fixed_add`: each partial truncated to
-  a multiple of 2**-32, then int64 atomics, whose sum is the same in any order; the result then depends only on
-  the inputs, at the atomics' speed);
+  a multiple of 2**-32, then int64 atomics, whose sum is the same in any order), converted to fp32 by the last
+  program of each tile to arrive; the result then depends only on the inputs;
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
@@ -19,8 +19,6 @@ compare the two on CUDA. Import this module only where Triton may be used: it im
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -57,49 +55,30 @@ def can_fuse(x: torch.Tensor, items) -> bool:
     return True
 
 
-class Shrunk(NamedTuple):
-    """lora_A(x) of a group of adapters, as the shrink leaves it for the kernels that add B · it.
-
-    sums: [G, M, R_PAD], zero past the rank: fp32, or int64 fixed point in units of 2**-32 (`common.fixed_add`)
-    from an ordered shrink. poison: fp32 [G, M] beside fixed-point sums (NaN for a row whose share could not be
-    held), None beside fp32 ones."""
-
-    sums: torch.Tensor
-    poison: torch.Tensor | None = None
-
-    @property
-    def fixed(self) -> bool:
-        return self.poison is not None
-
-    def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums, poison) for a kernel's two pointers; the sums stand in for a poison they do not have."""
-        return self.sums, self.sums if self.poison is None else self.poison
-
-    def values(self) -> torch.Tensor:
-        """The fp32 values [G, M, R_PAD] (as the kernels read them)."""
-        if not self.fixed:
-            return self.sums
-        return self.sums.float() * 2.0**-32 + self.poison[..., None]
+def _tiling(rows: int, r_pad: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_R) of a shrink over `rows` rows at padded rank r_pad."""
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
+    return block_m, r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
 
 
-def workspace_elements(group: int, rows: int, rank: int, fixed: bool) -> int:
-    """fp32 elements of the zeroed workspace a shrink of `group` adapters over `rows` rows writes: the sums, and
-    with `fixed` their int64 units and the poison (an even count, so that the next piece stays 8-byte aligned)."""
-    cells = group * rows * padded_rank(rank)
-    return 2 * cells + group * rows + (group * rows) % 2 if fixed else cells
-
-
-def shrunk_views(workspace: torch.Tensor, group: int, rows: int, r_pad: int, fixed: bool) -> Shrunk:
-    """The `Shrunk` held in the first `workspace_elements` of a flat zeroed fp32 workspace."""
+def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
+    """fp32 elements of the zeroed workspace a shrink of `group` adapters over `rows` rows needs: its result
+    [G, M, R_PAD], and when ordered the int64 fixed-point sums, the poison [G, M] and the tiles' arrival counts
+    (an even count, so that the next piece of a shared workspace stays 8-byte aligned)."""
+    r_pad = padded_rank(rank)
     cells = group * rows * r_pad
-    if not fixed:
-        return Shrunk(workspace[:cells].view(group, rows, r_pad))
-    sums = workspace[: 2 * cells].view(torch.int64).view(group, rows, r_pad)
-    return Shrunk(sums, workspace[2 * cells : 2 * cells + group * rows].view(group, rows))
+    if not ordered:
+        return cells
+    block_m, block_r = _tiling(rows, r_pad)
+    tiles = triton.cdiv(rows, block_m) * group * (r_pad // block_r)
+    total = 3 * cells + group * rows + tiles
+    return total + total % 2
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, pz_ptr, M, K, R, stride_xm, k_per_split, limit,
+def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sum_ptr, pz_ptr, cnt_ptr, M, K, R, stride_xm, k_per_split,
+                   limit,
                    R_BLOCKS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
@@ -127,19 +106,24 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, pz_ptr, M, K, R, strid
         a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :], mask=r_ok & k_ok, other=0.0)
         x = x.to(a.dtype).to(tl.float32)  # peft casts the input to the adapter's dtype
         acc += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
-    # the K splits of one (rows, rank) tile meet here, in the zeroed workspace
-    ws = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    if FIXED:  # as fixed point: the same bits whatever order the splits arrive in
-        fixed_add(ws, pz_ptr + group * M + offs_m, acc, offs_m < M, m_ok, limit)
-    else:
-        tl.atomic_add(ws, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
+    # the K splits of one (rows, rank) tile meet here
+    cells = (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
+    if FIXED:  # as fixed point (the same bits in any order); the last split to arrive writes the fp32 values
+        poison = pz_ptr + group * M + offs_m
+        fixed_add(sum_ptr + cells, poison, acc, offs_m < M, m_ok, limit)
+        tl.debug_barrier()  # every thread's atomics are issued before the count is released
+        tile = pid_m * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            tl.store(ws_ptr + cells, fixed_load(sum_ptr + cells, poison, offs_m < M, m_ok), mask=m_ok)
+            tl.store(cnt_ptr + tile, 0)
+    else:  # by fp32 atomics in the zeroed workspace, in whatever order the programs finish
+        tl.atomic_add(ws_ptr + cells, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
 
 
 @triton.jit
-def _expand_kernel(ws_ptr, pz_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n1, n2, s0, s1, s2, M, R,
+def _expand_kernel(ws_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, n0, n1, n2, s0, s1, s2, M, R,
                    tiles0, tiles1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
-                   ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr,
-                   PDL: tl.constexpr):  # fmt: skip
+                   ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -167,11 +151,7 @@ def _expand_kernel(ws_ptr, pz_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_pt
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
     m_ok = offs_m[:, None] < M
-    xa_ptrs = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
-    if FIXED:
-        xa = fixed_load(xa_ptrs, pz_ptr + group * M + offs_m, offs_m < M, m_ok)
-    else:
-        xa = tl.load(xa_ptrs, mask=m_ok, other=0.0)
+    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok, other=0.0)
     b_ok = (offs_n[:, None] < n) & (offs_r[None, :] < R)
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_ok, other=0.0)  # zeros past the rank
     if ROUND_ADAPTER:  # half-precision adapters: lora_A's output is rounded to their dtype, as in peft
@@ -197,24 +177,29 @@ def padded_rank(rank: int) -> int:
 
 
 def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True,
-            ordered: bool = False) -> Shrunk:  # fmt: skip
-    """lora_A(x) for up to three adapters at once: the `Shrunk` holding x · A_iᵀ [G, M, R_PAD] (zero past the rank).
-    workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or None.
+            ordered: bool = False) -> torch.Tensor:  # fmt: skip
+    """lora_A(x) for up to three adapters at once: returns the fp32 [G, M, R_PAD] holding x · A_iᵀ (zero past the
+    rank). workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or
+    None. The launch takes no host sync.
 
     ordered: the result depends only on the inputs: the K splits' partial sums meet as fixed point
-    (`common.fixed_add`), so the sum is the exact sum of the partials truncated to multiples of 2**-32, rounded
-    once to fp32 where it is read (`Shrunk.values`, the kernels' `fixed_load`)."""
+    (`common.fixed_add`); the result is the exact sum of the partials truncated to multiples of 2**-32, rounded once
+    to fp32, and NaN in a row where a partial was not finite or too large to hold (`common.fixed_limit`)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
     r_pad = padded_rank(rank)
     if workspace is None:
         workspace = torch.zeros(workspace_elements(group, rows, rank, ordered), dtype=torch.float32, device=x.device)
-    shrunk = shrunk_views(workspace, group, rows, r_pad, ordered)
+    cells = group * rows * r_pad
+    values = workspace[:cells]
+    sums = poison = counts = values  # placeholders for the pointers an atomic launch does not use
+    if ordered:
+        sums = workspace[cells : 3 * cells].view(torch.int64)
+        poison = workspace[3 * cells : 3 * cells + group * rows]
+        counts = workspace[3 * cells + group * rows :].view(torch.int32)
     precision = "tf32" if tf32 else "ieee"
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
-    block_r = r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
+    block_m, block_r = _tiling(rows, r_pad)
     r_blocks = r_pad // block_r
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
@@ -225,11 +210,11 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     splits = triton.cdiv(features, k_per_split)
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
-        x, *a_args, *shrunk.pointers(), rows, features, rank, x.stride(0),
-        k_per_split, fixed_limit(splits), R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_K=block_k, PRECISION=precision, FIXED=ordered, **launch_options(x.device),
+        x, *a_args, values, sums, poison, counts, rows, features, rank, x.stride(0), k_per_split, fixed_limit(splits),
+        R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
+        FIXED=ordered, **launch_options(x.device),
     )  # fmt: skip
-    return shrunk
+    return values.view(group, rows, r_pad)
 
 
 def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None,
@@ -247,7 +232,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     scales = [float(s) for _, (_, _, s) in items]
     rank = lora_bs[0].shape[1]
     r_pad = padded_rank(rank)
-    shrunk = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
+    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = triton.cdiv(rows, block_m)
@@ -261,9 +246,9 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     s_args = scales + [scales[0]] * pad
     round_adapter = lora_bs[0].dtype != torch.float32
     _expand_kernel[(m_tiles, sum(tiles))](
-        *shrunk.pointers(), *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
+        workspace, *b_args, *y_args, *n_args, *s_args, rows, rank, tiles[0], tiles[1],
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=r_pad, ROUND_ADAPTER=round_adapter, PRECISION=precision,
-        FIXED=shrunk.fixed, **launch_options(x.device),
+        **launch_options(x.device),
     )  # fmt: skip
 
 

@@ -206,10 +206,10 @@ def _gate_up_kernel(x_ptr, stride_xm, w_ptr, ws_ptr, b_ptr, scale, act_ptr, rows
     gate, up = round_to(gate, OUT), round_to(up, OUT)
     if HAS_LORA:
         b = b_ptr + e * (2 * INNER) * R
-        gate = add_lora(gate, ws_ptr, ws_ptr, 0, 0, slots, live, b, cols, n_ok, R, scale, OUT, R_PAD, ROUND_ADAPTER,
-                        PRECISION, False)  # fmt: skip
-        up = add_lora(up, ws_ptr, ws_ptr, 0, 0, slots, live, b, INNER + cols, n_ok, R, scale, OUT, R_PAD,
-                      ROUND_ADAPTER, PRECISION, False)  # fmt: skip
+        gate = add_lora(gate, ws_ptr, 0, 0, slots, live, b, cols, n_ok, R, scale, OUT, R_PAD, ROUND_ADAPTER,
+                        PRECISION)  # fmt: skip
+        up = add_lora(up, ws_ptr, 0, 0, slots, live, b, INNER + cols, n_ok, R, scale, OUT, R_PAD, ROUND_ADAPTER,
+                      PRECISION)  # fmt: skip
     act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), OUT) * up, OUT)  # F.silu(gate) * up in eager
     tl.store(act_ptr + slots[:, None] * INNER + cols[None, :], act.to(OUT), mask=live[:, None] & n_ok[None, :])
 
@@ -236,8 +236,8 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, b_ptr, scale, weights_ptr, out_ptr, row
                      PRECISION, DOT_F32)  # fmt: skip
     y = round_to(y, OUT)
     if HAS_LORA:
-        y = add_lora(y, ws_ptr, ws_ptr, 0, 0, slots, live, b_ptr + e * H * R, cols, n_ok, R, scale, OUT, R_PAD,
-                     ROUND_ADAPTER, PRECISION, False)  # fmt: skip
+        y = add_lora(y, ws_ptr, 0, 0, slots, live, b_ptr + e * H * R, cols, n_ok, R, scale, OUT, R_PAD,
+                     ROUND_ADAPTER, PRECISION)  # fmt: skip
     weighted = y * tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)[:, None]
     if ROUND_WEIGHTED:  # weight and routing weight of one half dtype: torch's product is in that dtype
         weighted = round_to(weighted, OUT)

@@ -32,19 +32,18 @@ from slimrl.rollout.kernels.common import block_m as rows_per_program
 from slimrl.rollout.kernels.common import enter, precision, round_to, tile_columns
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
-from slimrl.rollout.kernels.lora import Shrunk
 from slimrl.rollout.kv_cache import table_unit
 
 __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
 
 
 @triton.jit
-def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_ptr, ws_ptr, pz_ptr, lb0_ptr, lb1_ptr,
+def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_ptr, ws_ptr, lb0_ptr, lb1_ptr,
                  s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, M, N, K, R, RN, COLS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, PAIR: tl.constexpr,
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
-                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     lanes = tl.arange(0, BN)
@@ -56,11 +55,11 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
                                  EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
     tile = m_ok[:, None] & n_ok[None, :]  # (nothing in the split programs that do not finish the tile)
     if HAS_LORA:
-        y0 = add_lora(y0, ws_ptr, pz_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD,
-                      ROUND_ADAPTER, PRECISION, FIXED)  # fmt: skip
+        y0 = add_lora(y0, ws_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD, ROUND_ADAPTER,
+                       PRECISION)  # fmt: skip
         if PAIR:
-            y1 = add_lora(y1, ws_ptr, pz_ptr, 1, M, offs_m, m_ok, lb1_ptr, offs_n, n_ok, R, s1, OUT, R_PAD,
-                          ROUND_ADAPTER, PRECISION, FIXED)  # fmt: skip
+            y1 = add_lora(y1, ws_ptr, 1, M, offs_m, m_ok, lb1_ptr, offs_n, n_ok, R, s1, OUT, R_PAD, ROUND_ADAPTER,
+                           PRECISION)  # fmt: skip
     out = y0
     if PAIR:  # F.silu(gate) * up in eager: silu in fp32 rounded once, then the product rounded
         out = round_to(round_to(y0 / (1.0 + tl.exp(-y0)), OUT) * y1, OUT)
@@ -116,13 +115,13 @@ def _rope(y_lo, y_hi, cos_ptr, sin_ptr, offs_m, m_ok, offs_d, OUT: tl.constexpr,
 
 @triton.jit
 def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr,
-                ws_ptr, pz_ptr, lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, qn_ptr, kn_ptr, eps_q, eps_k, cos_ptr, sin_ptr,
+                ws_ptr, lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, qn_ptr, kn_ptr, eps_q, eps_k, cos_ptr, sin_ptr,
                 q_out_ptr, table_ptr, anchor_ptr, layer, col_ptr, cache_len, sp_ptr, cnt_ptr, M, K, R,
                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                 R_PAD: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                 ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr, EVEN_K: tl.constexpr,
                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
-                UNIT: tl.constexpr, SPLIT: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                UNIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
@@ -140,10 +139,10 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
                                     b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, BM, SLICE, BK, True, GEMM,
                                     HAS_BIAS, EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
     if HAS_LORA:
-        y_lo = add_lora(y_lo, ws_ptr, pz_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
-                        ROUND_ADAPTER, PRECISION, FIXED)  # fmt: skip
-        y_hi = add_lora(y_hi, ws_ptr, pz_ptr, kind, M, offs_m, m_ok, lb_ptr, hi, all_n, R, scale, OUT, R_PAD,
-                        ROUND_ADAPTER, PRECISION, FIXED)  # fmt: skip
+        y_lo = add_lora(y_lo, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
+                        ROUND_ADAPTER, PRECISION)  # fmt: skip
+        y_hi = add_lora(y_hi, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, hi, all_n, R, scale, OUT, R_PAD,
+                        ROUND_ADAPTER, PRECISION)  # fmt: skip
     if kind < 2:
         if QK_NORM:  # SLICE is HALF here: one program holds the whole head
             if kind == 0:
@@ -176,7 +175,7 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
 
     x [M, K] (the normed hidden). Either weights = (Wq, Wk, Wv) [N, K] contiguous with biases = (bq, bk, bv) or None
     (the kernel does the GEMM), or outputs = (yq, yk, yv) [M, N] contiguous base outputs (bias included).
-    lora: None or (`lora.Shrunk` [3, M, R_PAD] from `shrink_`, (Bq, Bk, Bv) [N, R] contiguous, (sq, sk, sv)).
+    lora: None or (workspace [3, M, R_PAD] fp32 from `shrink_`, (Bq, Bk, Bv) [N, R] contiguous, (sq, sk, sv)).
     norms: None or ((q_norm weight, eps), (k_norm weight, eps)). cos/sin [M, D] for each row's position.
     slice_cols: columns of each RoPE half one program computes (a divisor of D/2, at least 16; 0 = all): smaller
     gives more programs for few heads. Qwen3's per-head norm needs the whole head, so it always takes all.
@@ -190,12 +189,12 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
     b = biases if has_bias else (w[0],) * 3
     y = outputs if not gemm else (x,) * 3
     if lora is not None:
-        shrunk, lora_bs, scales = lora
+        workspace, lora_bs, scales = lora
         rank = lora_bs[0].shape[1]
-        r_pad = shrunk.sums.shape[-1]
+        r_pad = workspace.shape[-1]
         round_adapter = lora_bs[0].dtype != torch.float32
     else:
-        shrunk, lora_bs, scales, rank, r_pad, round_adapter = Shrunk(x), (x,) * 3, (1.0,) * 3, 1, 16, False
+        workspace, lora_bs, scales, rank, r_pad, round_adapter = x, (x,) * 3, (1.0,) * 3, 1, 16, False
     if norms is not None:
         (qn, eps_q), (kn, eps_k) = norms
     else:
@@ -210,13 +209,13 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
     split, partials, counts = split_args(split_k if gemm else 1, scratch, x, tiles[0] * tiles[1], block_m,
                                           slice_cols, block_k)  # fmt: skip
     _qkv_kernel[(*tiles, split)](
-        x, x.stride(0), *weights_or_x, *b, *y, *shrunk.pointers(), *lora_bs, *(float(s) for s in scales), qn, kn,
+        x, x.stride(0), *weights_or_x, *b, *y, workspace, *lora_bs, *(float(s) for s in scales), qn, kn,
         float(eps_q), float(eps_k), cos, sin, q_out, table, anchor, layer, column, cache_len, partials, counts, rows,
         features, rank,
         HQ=heads, HK=kv_heads, D=head_dim, BM=block_m, BK=block_k, R_PAD=r_pad, GEMM=gemm, HAS_BIAS=has_bias,
         HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter, QK_NORM=norms is not None,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
-        SLICE=slice_cols, UNIT=table_unit(q_out.dtype), SPLIT=split, FIXED=shrunk.fixed, num_warps=num_warps,
+        SLICE=slice_cols, UNIT=table_unit(q_out.dtype), SPLIT=split, num_warps=num_warps,
         num_stages=num_stages, **launch_options(x.device),
     )  # fmt: skip
 
@@ -226,8 +225,8 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     """out [M, N] = x W0ᵀ + b0 + LoRA0, or with pair=True silu(that) * (x W1ᵀ + b1 + LoRA1).
 
     weights (W0[, W1]) [N, K] contiguous and biases (or None) for the GEMM, or outputs (y0[, y1]) [M, N] contiguous
-    precomputed base outputs; lora None or (`lora.Shrunk` [G, M, R_PAD], (B0[, B1]), (s0[, s1])).
-    next_shrink: None or (A [R', N] contiguous, a zeroed fp32 `lora.Shrunk` [1, M, R'_PAD]): also compute out · Aᵀ
+    precomputed base outputs; lora None or (workspace [G, M, R_PAD] fp32 from `shrink_`, (B0[, B1]), (s0[, s1])).
+    next_shrink: None or (A [R', N] contiguous, a zeroed fp32 workspace [M, R'_PAD]): also compute out · Aᵀ
     there, the LoRA shrink of the projection that reads `out` next, each column tile's share added by fp32 atomics
     (so its last bits vary from run to run: the deterministic engine runs `lora.shrink_(ordered=True)` for it
     instead, which is faster than fixed-point shares from every column tile). block_m: rows per program (0 = up to
@@ -242,22 +241,19 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     b = tuple(biases) if has_bias else (x,)
     y = tuple(outputs) if not gemm else (x,)
     if lora is not None:
-        shrunk, lora_bs, scales = lora
+        workspace, lora_bs, scales = lora
         lora_bs, scales = tuple(lora_bs), tuple(float(s) for s in scales)
-        rank, r_pad = lora_bs[0].shape[1], shrunk.sums.shape[-1]
+        rank, r_pad = lora_bs[0].shape[1], workspace.shape[-1]
         round_adapter = lora_bs[0].dtype != torch.float32
     else:
-        shrunk, lora_bs, scales, rank, r_pad, round_adapter = Shrunk(x), (x,), (1.0,), 1, 16, False
+        workspace, lora_bs, scales, rank, r_pad, round_adapter = x, (x,), (1.0,), 1, 16, False
 
     def two(items):
         return (items[0], items[1] if len(items) > 1 else items[0])
 
-    next_a, next_shrunk = next_shrink if next_shrink is not None else (x, Shrunk(x))
-    if next_shrunk.fixed:
-        raise ValueError("project: next_shrink takes an fp32 workspace; run lora.shrink_(ordered=True) for a "
-                         "deterministic shrink of the output instead")  # fmt: skip
+    next_a, next_ws = next_shrink if next_shrink is not None else (x, x)
     next_rank = next_a.shape[0] if next_shrink is not None else 1
-    next_pad = next_shrunk.sums.shape[-1] if next_shrink is not None else 16
+    next_pad = next_ws.shape[-1] if next_shrink is not None else 16
     block_m = rows_per_program(rows, block_m)
     row_blocks = triton.cdiv(rows, block_m)
     cols = tile_columns(width, row_blocks, block_n, per_sm, x.device)
@@ -265,12 +261,12 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     split, partials, counts = split_args(split_k if gemm else 1, scratch, x, tiles[0] * tiles[1], block_m, block_n,
                                           block_k)  # fmt: skip
     _proj_kernel[(*tiles, split)](
-        x, x.stride(0), *two(w), *two(b), *two(y), *shrunk.pointers(), *two(lora_bs), *two(scales), out, next_a,
-        next_shrunk.sums, partials, counts, rows, width, features, rank, next_rank, cols, BM=block_m, BN=block_n,
+        x, x.stride(0), *two(w), *two(b), *two(y), workspace, *two(lora_bs), *two(scales), out, next_a,
+        next_ws, partials, counts, rows, width, features, rank, next_rank, cols, BM=block_m, BN=block_n,
         BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split, GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None,
         ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
-        NEXT=next_shrink is not None, RN_PAD=next_pad, FIXED=shrunk.fixed,
+        NEXT=next_shrink is not None, RN_PAD=next_pad,
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device),
     )  # fmt: skip
     return out
