@@ -5,6 +5,7 @@ down's (fp32) shrink in its epilogue, to set beside down's separate shrink. CUDA
 it says how many splits each mode should aim for and where down's deterministic shrink should run.
 
     python bench/shrink_splits.py $OUT/shrink_splits.json [--rows 64 256] [--targets 512 256 128 64 32 16]
+                                  [--tiles 16x16 32x16 16x32 64x32]
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ def rand(g, *shape, dtype=torch.bfloat16, std=0.02):
     return (std * torch.randn(*shape, generator=g, device="cuda")).to(dtype)
 
 
-def shrink_times(rows: int, targets, g) -> dict:
+def shrink_times(rows: int, targets, tiles, g) -> dict:
+    """Atomic shrinks for each target; fixed-point ones for each target and largest tile (rows, rank columns)."""
     from slimrl.rollout.kernels import lora
 
+    shipped = lora.TARGET_PROGRAMS, lora.TARGET_PROGRAMS_FIXED, lora.FIXED_TILE
     out = {}
     for name, (group, features) in SHRINKS.items():
         x = rand(g, rows, features, std=1.0)
         lora_as = [rand(g, RANK, features, dtype=torch.float32, std=features**-0.5) for _ in range(group)]
-        for fixed in (False, True):
+        for fixed, tile, target in [(False, None, t) for t in targets] + [(True, tile, t) for tile in tiles
+                                                                          for t in targets]:  # fmt: skip
+            lora.TARGET_PROGRAMS = lora.TARGET_PROGRAMS_FIXED = target
+            lora.FIXED_TILE = tile or shipped[2]
             workspace = torch.zeros(lora.workspace_elements(group, rows, RANK, fixed), device="cuda")
-            for target in targets:
-                lora.TARGET_PROGRAMS = target
-                key = f"{name}.{'fixed' if fixed else 'atomic'}.target{target}"
-                out[key] = timed_us(lambda: lora.shrink_(x, lora_as, workspace, True, fixed))  # noqa: B023
-    lora.TARGET_PROGRAMS = 512
+            key = f"{name}.{f'fixed{tile[0]}x{tile[1]}' if fixed else 'atomic'}.target{target}"
+            out[key] = timed_us(lambda: lora.shrink_(x, lora_as, workspace, True, fixed))  # noqa: B023
+    lora.TARGET_PROGRAMS, lora.TARGET_PROGRAMS_FIXED, lora.FIXED_TILE = shipped
     return out
 
 
@@ -100,11 +104,14 @@ def main(argv=None) -> dict:
     parser.add_argument("out", nargs="?", default=common.default_output("shrink_splits.json"))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--targets", type=int, nargs="+", default=[512, 256, 128, 64, 32, 16])
+    parser.add_argument("--tiles", nargs="+", default=["16x16", "32x16", "16x32", "64x32"],
+                        help="the fixed-point shrink's largest tiles, ROWSxRANK")  # fmt: skip
     args = parser.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     report = {**common.environment(True), "command": sys.argv, "us": {}}
     for rows in args.rows:
-        report["us"][f"B{rows}"] = {**shrink_times(rows, args.targets, g), **gate_up_times(rows, g)}
+        tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tiles]
+        report["us"][f"B{rows}"] = {**shrink_times(rows, args.targets, tiles, g), **gate_up_times(rows, g)}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     report["atomics_ptx"] = atomic_instructions()
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

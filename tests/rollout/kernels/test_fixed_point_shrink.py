@@ -2,7 +2,7 @@
 sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile to arrive
 converts the sum to fp32.
 
-The arithmetic, stated: with n K splits (64 input features each, the last one partial) whose fp32 partial sums are
+The arithmetic, stated: with n K splits (whole steps of 64 input features, the last one partial) whose fp32 sums are
 p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the integers are added
 (exactly, so in any order), and the total is converted to fp32 once (round to nearest) and scaled by 2**-32. A
 partial that is not finite or not below `fixed_limit(n)` poisons its row: the row reads NaN. In Triton's
@@ -21,7 +21,6 @@ from tests.rollout.helpers import KERNEL_DEVICE
 from tests.tolerances import assert_close
 
 F32, BF16 = torch.float32, torch.bfloat16
-SPLIT_K = 64  # input features per K split at these shapes (one BLOCK_K: a launch this small splits K finely)
 
 # (rows, features, rank, x dtype, adapter dtype, adapters): 1, 2, 5, 9 and 24 splits, rows filling part of a 16- and
 # a 32-row tile (65: two 64-row tiles, the second with one row), ranks 8 and 64 (two rank blocks), fp32 and bf16
@@ -40,14 +39,14 @@ CASES = [
 
 
 def recorded_launches(monkeypatch) -> list:
-    """(grid, FIXED) of every `_shrink_kernel` launch from now on."""
+    """(grid, FIXED, input features per K split) of every `_shrink_kernel` launch from now on."""
     launches = []
     real = lora_kernels._shrink_kernel
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((tuple(grid), kwargs["FIXED"]))
+                launches.append((tuple(grid), kwargs["FIXED"], args[12]))
                 return real[grid](*args, **kwargs)
 
             return launch
@@ -64,13 +63,17 @@ def make_inputs(rows, features, rank, x_dtype, a_dtype, adapters, device=KERNEL_
     return x, lora_as
 
 
-def split_partials(x, lora_as) -> list[torch.Tensor]:
+def split_partials(monkeypatch, x, lora_as, per_split: int) -> list[torch.Tensor]:
     """Each K split's fp32 partial sums [G, M, R_PAD], from an unsplit atomic launch over that split's input features
-    alone (the same products, in the same K step, as the split program's; added once to zero, so exact)."""
+    alone, in the fixed-point launch's tiles (the same products, in the same K step and tile shapes, as the split
+    program's; added once to zero, so exact)."""
+    tiling = lora_kernels._tiling
+    monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, ordered: tiling(rows, r_pad, True))
     parts = []
-    for lo in range(0, x.shape[1], SPLIT_K):
-        lora_slices = [a[:, lo : lo + SPLIT_K].contiguous() for a in lora_as]
-        parts.append(shrink_(x[:, lo : lo + SPLIT_K], lora_slices, tf32=False).clone())
+    for lo in range(0, x.shape[1], per_split):
+        lora_slices = [a[:, lo : lo + per_split].contiguous() for a in lora_as]
+        parts.append(shrink_(x[:, lo : lo + per_split], lora_slices, tf32=False).clone())
+    monkeypatch.setattr(lora_kernels, "_tiling", tiling)
     return parts
 
 
@@ -87,12 +90,13 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     against the per-split partials summed as the docstring states; twice, the same bits; the arrival counts are
     back at zero after the launch."""
     x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
-    splits = -(-features // SPLIT_K)
     launches = recorded_launches(monkeypatch)
     workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, rank, True), device=KERNEL_DEVICE)
     first = shrink_(x, lora_as, workspace, tf32=False, ordered=True).clone()
     again = shrink_(x, lora_as, tf32=False, ordered=True)
-    assert [(grid[2], fixed) for grid, fixed in launches] == [(splits, True)] * 2
+    (grid, fixed, per_split), again_launch = launches
+    assert fixed and again_launch == launches[0] and grid[2] == -(-features // per_split)
+    assert grid[2] > 1 or features <= 64, "K should be split"
     r_pad = padded_rank(rank)
     assert first.dtype == torch.float32 and first.shape == (adapters, rows, r_pad)
     assert torch.equal(first, again), "the same inputs gave other bits"
@@ -102,7 +106,8 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     expected = torch.stack([x.to(a.dtype).float() @ a.float().t() for a in lora_as])
     assert_close(values[..., :rank], expected, "fp32_sum", name="fixed-point shrink")
     assert not values[..., rank:].any(), "the shrink past the rank must be zero"
-    assert torch.equal(values, fixed_point_sum(split_partials(x, lora_as))), "not the stated fixed-point sum"
+    parts = split_partials(monkeypatch, x, lora_as, per_split)
+    assert torch.equal(values, fixed_point_sum(parts)), "not the stated fixed-point sum"
 
 
 def test_fixed_point_shrink_poisons_rows_it_cannot_hold():
@@ -159,19 +164,19 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
                            fused_decode=True, deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
     assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
-    decode = [(grid[2], fixed) for grid, fixed in launches if grid[0] == 1]  # one row tile: the decode steps'
+    decode = [(grid[2], fixed) for grid, fixed, _ in launches if grid[0] == 1]  # one row tile: the decode steps'
     assert len(decode) >= steps * layers * 3 and set(decode) == {(3, True)}, "a shrink was not split fixed point"
 
 
 @pytest.mark.cuda
 def test_fixed_point_shrink_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
-    """W1's q/k/v shrink (64 rows, 1536 features, rank 64, bf16 x, fp32 A, TF32 products as shipped): 12 splits of
-    128 features (`TARGET_PROGRAMS_FIXED`). On a GPU the programs finish in another order each run; the bits may not
-    change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
+    """W1's q/k/v shrink (64 rows, 1536 features, rank 64, bf16 x, fp32 A, TF32 products as shipped): 48 tiles of
+    16 rows and 16 rank columns (`FIXED_TILE`), 3 K splits (`TARGET_PROGRAMS_FIXED`). On a GPU the programs finish
+    in another order each run; the bits may not change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
     x, lora_as = make_inputs(64, 1536, 64, BF16, F32, 3, device="cuda")
     launches = recorded_launches(monkeypatch)
     runs = [shrink_(x, lora_as, tf32=True, ordered=True).clone() for _ in range(3)]
-    assert launches[0] == ((1, 6, 12), True), "the launch did not split K as W1's does"
+    assert launches[0][:2] == ((4, 12, 3), True), "the launch did not tile and split K as W1's does"
     workspace = torch.zeros(lora_kernels.workspace_elements(3, 64, 64, True), device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

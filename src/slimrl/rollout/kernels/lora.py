@@ -34,6 +34,8 @@ TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H10
 # with fixed-point sums: int64 atomics have no vector form (fp32 ones go four at a time), so fewer K splits pay
 # (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together at 128)
 TARGET_PROGRAMS_FIXED = 128
+# and smaller tiles (rows, rank columns) than the atomic path's, at most these: fewer K splits for as many programs
+FIXED_TILE = (16, 16)
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
@@ -55,11 +57,14 @@ def can_fuse(x: torch.Tensor, items) -> bool:
     return True
 
 
-def _tiling(rows: int, r_pad: int) -> tuple[int, int]:
+def _tiling(rows: int, r_pad: int, ordered: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_R) of a shrink over `rows` rows at padded rank r_pad."""
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
-    return block_m, r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
+    block_r = r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
+    if ordered and rows <= 256:  # a decode step: the fixed-point sums' atomics are fewer with fewer K splits
+        return min(block_m, FIXED_TILE[0]), min(block_r, FIXED_TILE[1])
+    return block_m, block_r
 
 
 def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
@@ -70,7 +75,7 @@ def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
     cells = group * rows * r_pad
     if not ordered:
         return cells
-    block_m, block_r = _tiling(rows, r_pad)
+    block_m, block_r = _tiling(rows, r_pad, True)
     tiles = triton.cdiv(rows, block_m) * group * (r_pad // block_r)
     total = 3 * cells + group * rows + tiles
     return total + total % 2
@@ -199,7 +204,7 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
         poison = workspace[3 * cells : 3 * cells + group * rows]
         counts = workspace[3 * cells + group * rows :].view(torch.int32)
     precision = "tf32" if tf32 else "ieee"
-    block_m, block_r = _tiling(rows, r_pad)
+    block_m, block_r = _tiling(rows, r_pad, ordered)
     r_blocks = r_pad // block_r
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
