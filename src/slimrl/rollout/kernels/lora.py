@@ -31,11 +31,11 @@ from slimrl.rollout.model.reference import add_lora_
 
 MAX_GROUP = 3  # adapters per launch (q, k, v)
 TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H100)
-# with fixed-point sums: int64 atomics have no vector form (fp32 ones go four at a time), so fewer K splits pay
-# (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together at 128)
-TARGET_PROGRAMS_FIXED = 128
-# and smaller tiles (rows, rank columns) than the atomic path's, at most these: fewer K splits for as many programs
-FIXED_TILE = (16, 16)
+# with fixed-point sums: int64 atomics have no vector form (fp32 ones go four at a time), so fewer K splits pay,
+# in smaller tiles (rows, rank columns; at most these) than the atomic path's, for as many programs with fewer
+# splits (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together with these)
+TARGET_PROGRAMS_FIXED = 256
+FIXED_TILE = (32, 16)
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
