@@ -1,5 +1,6 @@
-"""Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against fixed point (the deterministic
-mode, `kernels.common.fixed_add`), for several numbers of K splits, and of the gate/up launch with and without
+"""Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against the deterministic mode's two
+ways (fixed point, `kernels.common.fixed_add`; at most two K splits added by fp32 atomics), for several numbers of
+K splits and tiles, and of the gate/up launch with and without
 down's (fp32) shrink in its epilogue, to set beside down's separate shrink. CUDA-graph replays
 (`triton.testing.do_bench_cudagraph`), random bf16 weights and fp32 adapters (peft's default), LoRA r=64. Report only:
 it says how many splits each mode should aim for and where down's deterministic shrink should run.
@@ -41,19 +42,24 @@ def shrink_times(rows: int, targets, tiles, g) -> dict:
     """Atomic shrinks for each target; fixed-point ones for each target and largest tile (rows, rank columns)."""
     from slimrl.rollout.kernels import lora
 
-    shipped = lora.TARGET_PROGRAMS, lora.TARGET_PROGRAMS_FIXED, lora.FIXED_TILE
+    knobs = ("TARGET_PROGRAMS", "TARGET_PROGRAMS_FIXED", "FIXED_TILE", "PAIR_TILE", "PAIR_MAX_FEATURES")
+    shipped = {knob: getattr(lora, knob) for knob in knobs}
+    cases = [("atomic", None, t) for t in targets] + [(m, tile, t) for m in ("fixed", "pair") for tile in tiles
+                                                      for t in (targets if m == "fixed" else targets[:1])]  # fmt: skip
     out = {}
     for name, (group, features) in SHRINKS.items():
         x = rand(g, rows, features, std=1.0)
         lora_as = [rand(g, RANK, features, dtype=torch.float32, std=features**-0.5) for _ in range(group)]
-        for fixed, tile, target in [(False, None, t) for t in targets] + [(True, tile, t) for tile in tiles
-                                                                          for t in targets]:  # fmt: skip
+        for mode, tile, target in cases:
             lora.TARGET_PROGRAMS = lora.TARGET_PROGRAMS_FIXED = target
-            lora.FIXED_TILE = tile or shipped[2]
-            workspace = torch.zeros(lora.workspace_elements(group, rows, RANK, fixed), device="cuda")
-            key = f"{name}.{f'fixed{tile[0]}x{tile[1]}' if fixed else 'atomic'}.target{target}"
-            out[key] = timed_us(lambda: lora.shrink_(x, lora_as, workspace, True, fixed))  # noqa: B023
-    lora.TARGET_PROGRAMS, lora.TARGET_PROGRAMS_FIXED, lora.FIXED_TILE = shipped
+            lora.FIXED_TILE = lora.PAIR_TILE = tile or shipped["FIXED_TILE"]
+            lora.PAIR_MAX_FEATURES = 1 << 30 if mode == "pair" else 0
+            ordered = mode != "atomic"
+            workspace = torch.zeros(lora.workspace_elements(group, rows, RANK, ordered), device="cuda")
+            key = f"{name}.{f'{mode}{tile[0]}x{tile[1]}' if ordered else mode}.target{target}"
+            out[key] = timed_us(lambda: lora.shrink_(x, lora_as, workspace, True, ordered))  # noqa: B023
+    for knob, value in shipped.items():
+        setattr(lora, knob, value)
     return out
 
 
@@ -105,7 +111,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--targets", type=int, nargs="+", default=[512, 256, 128, 64, 32, 16])
     parser.add_argument("--tiles", nargs="+", default=["16x16", "32x16", "16x32", "64x32"],
-                        help="the fixed-point shrink's largest tiles, ROWSxRANK")  # fmt: skip
+                        help="the ordered shrinks' largest tiles, ROWSxRANK (pair: at the first target only)")
     args = parser.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     report = {**common.environment(True), "command": sys.argv, "us": {}}

@@ -1,13 +1,17 @@
-"""The deterministic LoRA shrink (`lora.shrink_(ordered=True)`): K split over several programs whose fp32 partial
-sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile to arrive
-converts the sum to fp32.
+"""The deterministic LoRA shrink (`lora.shrink_(ordered=True)`), its two ways.
 
-The arithmetic, stated: with n K splits (whole steps of 64 input features, the last one partial) whose fp32 sums are
-p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the integers are added
-(exactly, so in any order), and the total is converted to fp32 once (round to nearest) and scaled by 2**-32. A
-partial that is not finite or not below `fixed_limit(n)` poisons its row: the row reads NaN. In Triton's
-interpreter (the CPU) programs run one after another, so these tests pin the arithmetic bit for bit; the CUDA test
-runs the launch where programs finish in any order."""
+Up to `PAIR_MAX_FEATURES` input features, K is split in two at most and the two fp32 shares meet by atomics in the
+zeroed workspace: 0 + a + b and 0 + b + a are the same float. Beyond, K is split over several programs whose fp32
+partial sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile
+to arrive converts the sum to fp32. The fixed-point tests force that way at narrower shapes (PAIR_MAX_FEATURES 0)
+and run it once at its own width.
+
+The fixed-point arithmetic, stated: with n K splits (whole steps of 64 input features, the last one partial) whose
+fp32 sums are p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the
+integers are added (exactly, so in any order), and the total is converted to fp32 once (round to nearest) and
+scaled by 2**-32. A partial that is not finite or not below `fixed_limit(n)` poisons its row: the row reads NaN.
+In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic bit for bit;
+the CUDA tests run the launches where programs finish in any order."""
 
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def split_partials(monkeypatch, x, lora_as, per_split: int) -> list[torch.Tensor
     alone, in the fixed-point launch's tiles (the same products, in the same K step and tile shapes, as the split
     program's; added once to zero, so exact)."""
     tiling = lora_kernels._tiling
-    monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, ordered: tiling(rows, r_pad, True))
+    monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "fixed"))
     parts = []
     for lo in range(0, x.shape[1], per_split):
         lora_slices = [a[:, lo : lo + per_split].contiguous() for a in lora_as]
@@ -89,6 +93,7 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     """Against peft's math (x cast to the adapter dtype, fp32 products) within fp32 summation noise; bit for bit
     against the per-split partials summed as the docstring states; twice, the same bits; the arrival counts are
     back at zero after the launch."""
+    monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
     x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
     launches = recorded_launches(monkeypatch)
     workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, rank, True), device=KERNEL_DEVICE)
@@ -110,11 +115,48 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     assert torch.equal(values, fixed_point_sum(parts)), "not the stated fixed-point sum"
 
 
-def test_fixed_point_shrink_poisons_rows_it_cannot_hold():
+def test_fixed_point_shrink_at_its_own_width(monkeypatch):
+    """Down's shrink at an intermediate of 2,100 features (past PAIR_MAX_FEATURES): fixed point without forcing,
+    its K split, the stated sum bit for bit."""
+    x, lora_as = make_inputs(3, 2100, 16, BF16, F32, 1)
+    assert x.shape[1] > lora_kernels.PAIR_MAX_FEATURES
+    launches = recorded_launches(monkeypatch)
+    got = shrink_(x, lora_as, tf32=False, ordered=True)
+    ((grid, fixed, per_split),) = launches
+    monkeypatch.undo()
+    assert fixed and grid[2] > 2
+    assert torch.equal(got, fixed_point_sum(split_partials(monkeypatch, x, lora_as, per_split)))
+
+
+def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
+    """Up to PAIR_MAX_FEATURES features an ordered shrink splits K in two at most (fp32 atomics, no fixed point):
+    bit for bit 0 + p0 + p1 of its two shares, which is p1 + p0 as well; twice, the same bits; against peft's math.
+    W1's 1,536 features, 64 and 5 rows, three adapters."""
+    tiling = lora_kernels._tiling
+    for rows in (64, 5):
+        x, lora_as = make_inputs(rows, 1536, 64, BF16, F32, 3)
+        launches = recorded_launches(monkeypatch)
+        got = shrink_(x, lora_as, tf32=False, ordered=True)
+        ((grid, fixed, per_split),) = launches[-1:]
+        assert not fixed and grid[2] == 2 and per_split == 768, "two K splits of 768 features, fp32 atomics"
+        monkeypatch.undo()
+        assert torch.equal(got, shrink_(x, lora_as, tf32=False, ordered=True)), "the same inputs gave other bits"
+        monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "pair"))
+        first, second = (shrink_(x[:, lo : lo + 768], [a[:, lo : lo + 768].contiguous() for a in lora_as],
+                                 tf32=False) for lo in (0, 768))  # fmt: skip
+        monkeypatch.undo()
+        assert torch.equal(got, (torch.zeros_like(first) + first) + second)
+        assert torch.equal(got, (torch.zeros_like(first) + second) + first)
+        expected = torch.stack([x.float() @ a.t() for a in lora_as])
+        assert_close(got[..., :64], expected, "fp32_sum", name="pair shrink")
+
+
+def test_fixed_point_shrink_poisons_rows_it_cannot_hold(monkeypatch):
     """A NaN, an infinity and a value whose products pass `fixed_limit` in three rows of x: those rows read NaN
     in every adapter's columns (the float sum gives NaN for the first two and a huge value for the third), and
     the other rows are the exact fixed-point sums; the expand (`lora_group_`) carries the NaN into those rows of
     the outputs only."""
+    monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
     x, lora_as = make_inputs(7, 300, 8, F32, F32, 2)
     x[1, 10], x[3, 200], x[5, 0] = float("nan"), float("inf"), 1e20
     values = shrink_(x, lora_as, tf32=False, ordered=True)
@@ -140,9 +182,10 @@ def test_fixed_limit_keeps_every_sum_inside_int64():
         assert limit >= 2.0**17, "the range should not shrink below what a working model's shrink can reach"
 
 
-def test_fixed_point_and_atomic_shrinks_agree():
+def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
     """Two 64-row tiles, three adapters, 16 splits: the atomic path and the fixed-point one give the same sums up
     to fp32 summation order."""
+    monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
     x, lora_as = make_inputs(70, 1000, 8, F32, F32, 3)
     atomic = shrink_(x, lora_as, tf32=False)
     fixed = shrink_(x, lora_as, tf32=False, ordered=True)
@@ -150,8 +193,8 @@ def test_fixed_point_and_atomic_shrinks_agree():
 
 
 def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
-    """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, and every
-    shrink of the decode steps and the prefill ran as fixed point with its K split (hidden 192: three splits)."""
+    """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, with its
+    shrinks forced to fixed point (hidden 192: three splits), and again with the shipped setting (two splits, fp32)."""
     from slimrl.rollout.engine import RolloutEngine
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
 
@@ -159,25 +202,30 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
                                    intermediate_size=160)))  # fmt: skip
     tokens = 3
     expected = hf_greedy(model, PROMPTS, tokens, eos_token_id=None)
-    launches = recorded_launches(monkeypatch)
-    engine = RolloutEngine(model.to(KERNEL_DEVICE), max_seq_len=64, triton_lora=True, triton_attention=True,
-                           fused_decode=True, deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
-    assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
+    model = model.to(KERNEL_DEVICE)
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
-    decode = [(grid[2], fixed) for grid, fixed, _ in launches if grid[0] == 1]  # one row tile: the decode steps'
-    assert len(decode) >= steps * layers * 3 and set(decode) == {(3, True)}, "a shrink was not split fixed point"
+    for pair_max, want in ((0, (3, True)), (lora_kernels.PAIR_MAX_FEATURES, (2, False))):
+        monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", pair_max)
+        launches = recorded_launches(monkeypatch)
+        engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
+                               deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
+        assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
+        decode = [(grid[2], fixed) for grid, fixed, _ in launches if grid[0] == 1]  # one row tile: decode steps'
+        assert len(decode) >= steps * layers * 4 and set(decode) == {want}, "a shrink did not run as set"
+        monkeypatch.undo()
 
 
 @pytest.mark.cuda
-def test_fixed_point_shrink_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
-    """W1's q/k/v shrink (64 rows, 1536 features, rank 64, bf16 x, fp32 A, TF32 products as shipped): 24 tiles of
-    32 rows and 16 rank columns (`FIXED_TILE`), 8 K splits (`TARGET_PROGRAMS_FIXED`). On a GPU the programs finish
-    in another order each run; the bits may not change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
-    x, lora_as = make_inputs(64, 1536, 64, BF16, F32, 3, device="cuda")
+@pytest.mark.parametrize("features, adapters, launch", [(1536, 3, ((4, 6, 2), False)), (8960, 1, ((2, 4, 28), True))])
+def test_ordered_shrink_at_w1_shapes_gives_the_same_bits_every_time(monkeypatch, features, adapters, launch):
+    """W1's q/k/v shrink (64 rows, 1536 features: two K splits added by fp32 atomics) and down's (8960 features:
+    fixed point, 28 splits), rank 64, bf16 x, fp32 A, TF32 products as shipped. On a GPU the programs finish in
+    another order each run; the bits may not change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
+    x, lora_as = make_inputs(64, features, 64, BF16, F32, adapters, device="cuda")
     launches = recorded_launches(monkeypatch)
     runs = [shrink_(x, lora_as, tf32=True, ordered=True).clone() for _ in range(3)]
-    assert launches[0][:2] == ((2, 12, 8), True), "the launch did not tile and split K as W1's does"
-    workspace = torch.zeros(lora_kernels.workspace_elements(3, 64, 64, True), device="cuda")
+    assert launches[0][:2] == launch, "the launch did not tile and split K as W1's does"
+    workspace = torch.zeros(lora_kernels.workspace_elements(adapters, 64, 64, True), device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         shrunk = shrink_(x, lora_as, workspace, tf32=True, ordered=True)

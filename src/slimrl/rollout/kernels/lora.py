@@ -36,6 +36,11 @@ TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H10
 # splits (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together with these)
 TARGET_PROGRAMS_FIXED = 256
 FIXED_TILE = (32, 16)
+# up to this many input features an ordered shrink splits K in two at most and adds the two shares by fp32 atomics
+# into zero: 0 + a + b and 0 + b + a are the same float (addition commutes), so no fixed point is needed; its
+# programs come from small tiles instead
+PAIR_MAX_FEATURES = 2048
+PAIR_TILE = (16, 32)
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
@@ -57,25 +62,34 @@ def can_fuse(x: torch.Tensor, items) -> bool:
     return True
 
 
-def _tiling(rows: int, r_pad: int, ordered: bool) -> tuple[int, int]:
+def _mode(features: int, ordered: bool) -> str:
+    """How a shrink's K splits meet: "atomic" (fp32, any order), "pair" (at most two, fp32) or "fixed"."""
+    if not ordered:
+        return "atomic"
+    return "pair" if features <= PAIR_MAX_FEATURES else "fixed"
+
+
+def _tiling(rows: int, r_pad: int, mode: str) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_R) of a shrink over `rows` rows at padded rank r_pad."""
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
     block_r = r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
-    if ordered and rows <= 256:  # a decode step: the fixed-point sums' atomics are fewer with fewer K splits
-        return min(block_m, FIXED_TILE[0]), min(block_r, FIXED_TILE[1])
+    if mode != "atomic" and rows <= 256:  # a decode step: programs from smaller tiles rather than more K splits
+        tile = FIXED_TILE if mode == "fixed" else PAIR_TILE
+        return min(block_m, tile[0]), min(block_r, tile[1])
     return block_m, block_r
 
 
 def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
     """fp32 elements of the zeroed workspace a shrink of `group` adapters over `rows` rows needs: its result
     [G, M, R_PAD], and when ordered the int64 fixed-point sums, the poison [G, M] and the tiles' arrival counts
-    (an even count, so that the next piece of a shared workspace stays 8-byte aligned)."""
+    (an even count, so that the next piece of a shared workspace stays 8-byte aligned). Room for fixed point
+    whatever the input width: the same workspace serves every shrink of a step."""
     r_pad = padded_rank(rank)
     cells = group * rows * r_pad
     if not ordered:
         return cells
-    block_m, block_r = _tiling(rows, r_pad, True)
+    block_m, block_r = _tiling(rows, r_pad, "fixed")
     tiles = triton.cdiv(rows, block_m) * group * (r_pad // block_r)
     total = 3 * cells + group * rows + tiles
     return total + total % 2
@@ -187,9 +201,11 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     rank). workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or
     None. The launch takes no host sync.
 
-    ordered: the result depends only on the inputs: the K splits' partial sums meet as fixed point
-    (`common.fixed_add`); the result is the exact sum of the partials truncated to multiples of 2**-32, rounded once
-    to fp32, and NaN in a row where a partial was not finite or too large to hold (`common.fixed_limit`)."""
+    ordered: the result depends only on the inputs. Up to PAIR_MAX_FEATURES input features, K is split in two at
+    most and the shares meet by fp32 atomics into zero (two terms add the same in either order). Beyond, the K
+    splits' partial sums meet as fixed point (`common.fixed_add`): the result is the exact sum of the partials
+    truncated to multiples of 2**-32, rounded once to fp32, and NaN in a row where a partial was not finite or too
+    large to hold (`common.fixed_limit`)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
@@ -198,26 +214,29 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
         workspace = torch.zeros(workspace_elements(group, rows, rank, ordered), dtype=torch.float32, device=x.device)
     cells = group * rows * r_pad
     values = workspace[:cells]
+    mode = _mode(features, ordered)
     sums = poison = counts = values  # placeholders for the pointers an atomic launch does not use
-    if ordered:
+    if mode == "fixed":
         sums = workspace[cells : 3 * cells].view(torch.int64)
         poison = workspace[3 * cells : 3 * cells + group * rows]
         counts = workspace[3 * cells + group * rows :].view(torch.int32)
     precision = "tf32" if tf32 else "ieee"
-    block_m, block_r = _tiling(rows, r_pad, ordered)
+    block_m, block_r = _tiling(rows, r_pad, mode)
     r_blocks = r_pad // block_r
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
     # split K until there are a few programs per SM: a decode step has few rows, so K is the parallel dimension
-    target = TARGET_PROGRAMS_FIXED if ordered else TARGET_PROGRAMS
+    target = TARGET_PROGRAMS_FIXED if mode == "fixed" else TARGET_PROGRAMS
     splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(target, m_tiles * group * r_blocks)))
+    if mode == "pair":
+        splits = min(splits, 2)
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, values, sums, poison, counts, rows, features, rank, x.stride(0), k_per_split, fixed_limit(splits),
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        FIXED=ordered, **launch_options(x.device),
+        FIXED=mode == "fixed", **launch_options(x.device),
     )  # fmt: skip
     return values.view(group, rows, r_pad)
 
