@@ -1,7 +1,8 @@
 """The deterministic LoRA shrink (`lora.shrink_(ordered=True)`), its two ways.
 
-Up to `PAIR_MAX_FEATURES` input features, K is split in two at most and the two fp32 shares meet by atomics in the
-zeroed workspace: 0 + a + b and 0 + b + a are the same float. Beyond, K is split over several programs whose fp32
+Up to `PAIR_MAX_FEATURES` input features, where the small tiles give `PAIR_MIN_PROGRAMS` programs, K is split in
+two at most and the two fp32 shares meet by atomics in the zeroed workspace: 0 + a + b and 0 + b + a are the same
+float. Beyond, K is split over several programs whose fp32
 partial sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile
 to arrive converts the sum to fp32. The fixed-point tests force that way at narrower shapes (PAIR_MAX_FEATURES 0)
 and run it once at its own width.
@@ -131,16 +132,17 @@ def test_fixed_point_shrink_at_its_own_width(monkeypatch):
 def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
     """Up to PAIR_MAX_FEATURES features an ordered shrink splits K in two at most (fp32 atomics, no fixed point):
     bit for bit 0 + p0 + p1 of its two shares, which is p1 + p0 as well; twice, the same bits; against peft's math.
-    W1's 1,536 features, 64 and 5 rows, three adapters."""
+    W1's 1,536 features, 64 and 5 rows, three adapters (PAIR_MIN_PROGRAMS 0: these row counts give fewer)."""
     tiling = lora_kernels._tiling
     for rows in (64, 5):
         x, lora_as = make_inputs(rows, 1536, 64, BF16, F32, 3)
+        monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)
         launches = recorded_launches(monkeypatch)
         got = shrink_(x, lora_as, tf32=False, ordered=True)
         ((grid, fixed, per_split),) = launches[-1:]
         assert not fixed and grid[2] == 2 and per_split == 768, "two K splits of 768 features, fp32 atomics"
-        monkeypatch.undo()
         assert torch.equal(got, shrink_(x, lora_as, tf32=False, ordered=True)), "the same inputs gave other bits"
+        monkeypatch.undo()
         monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "pair"))
         first, second = (shrink_(x[:, lo : lo + 768], [a[:, lo : lo + 768].contiguous() for a in lora_as],
                                  tf32=False) for lo in (0, 768))  # fmt: skip
@@ -149,6 +151,16 @@ def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
         assert torch.equal(got, (torch.zeros_like(first) + second) + first)
         expected = torch.stack([x.float() @ a.t() for a in lora_as])
         assert_close(got[..., :64], expected, "fp32_sum", name="pair shrink")
+
+
+def test_ordered_shrinks_pick_their_way_by_width_and_programs():
+    """W1's shapes as shipped: q/k/v (1,536 features, three adapters, rank 64) in fixed point at 64 rows (48 pair
+    programs) and as a pair at 256 (192); down's 8,960 features in fixed point at both; atomic when not ordered."""
+    modes = {(rows, features, group): lora_kernels._mode(rows, features, group, 64, True)
+             for rows in (64, 256) for features, group in ((1536, 3), (8960, 1))}  # fmt: skip
+    assert modes == {(64, 1536, 3): "fixed", (256, 1536, 3): "pair", (64, 8960, 1): "fixed",
+                     (256, 8960, 1): "fixed"}  # fmt: skip
+    assert lora_kernels._mode(256, 1536, 3, 64, False) == "atomic"
 
 
 def test_fixed_point_shrink_poisons_rows_it_cannot_hold(monkeypatch):
@@ -194,7 +206,7 @@ def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
 
 def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
     """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, with its
-    shrinks forced to fixed point (hidden 192: three splits), and again with the shipped setting (two splits, fp32)."""
+    shrinks forced to fixed point (hidden 192: three splits), and again as pairs (two splits, fp32)."""
     from slimrl.rollout.engine import RolloutEngine
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
 
@@ -206,6 +218,7 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
     for pair_max, want in ((0, (3, True)), (lora_kernels.PAIR_MAX_FEATURES, (2, False))):
         monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", pair_max)
+        monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)  # (a few rows here)
         launches = recorded_launches(monkeypatch)
         engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
                                deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
@@ -216,16 +229,19 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("features, adapters, launch", [(1536, 3, ((4, 6, 2), False)), (8960, 1, ((2, 4, 28), True))])
-def test_ordered_shrink_at_w1_shapes_gives_the_same_bits_every_time(monkeypatch, features, adapters, launch):
-    """W1's q/k/v shrink (64 rows, 1536 features: two K splits added by fp32 atomics) and down's (8960 features:
-    fixed point, 28 splits), rank 64, bf16 x, fp32 A, TF32 products as shipped. On a GPU the programs finish in
-    another order each run; the bits may not change, eagerly or replayed from a CUDA graph. Also against x · Aᵀ."""
-    x, lora_as = make_inputs(64, features, 64, BF16, F32, adapters, device="cuda")
+@pytest.mark.parametrize("rows, features, adapters, launch", [(64, 1536, 3, ((2, 12, 8), True)),
+                                                              (256, 1536, 3, ((16, 6, 2), False)),
+                                                              (64, 8960, 1, ((2, 4, 28), True))])  # fmt: skip
+def test_ordered_shrink_at_w1_shapes_gives_the_same_bits_every_time(monkeypatch, rows, features, adapters, launch):
+    """W1's q/k/v shrink (1536 features; at 64 rows fixed point in 8 K splits, at 256 two splits added by fp32
+    atomics) and down's (8960 features: fixed point, 28 splits), rank 64, bf16 x, fp32 A, TF32 products as shipped.
+    On a GPU the programs finish in another order each run; the bits may not change, eagerly or replayed from a
+    CUDA graph. Also against x · Aᵀ."""
+    x, lora_as = make_inputs(rows, features, 64, BF16, F32, adapters, device="cuda")
     launches = recorded_launches(monkeypatch)
     runs = [shrink_(x, lora_as, tf32=True, ordered=True).clone() for _ in range(3)]
     assert launches[0][:2] == launch, "the launch did not tile and split K as W1's does"
-    workspace = torch.zeros(lora_kernels.workspace_elements(adapters, 64, 64, True), device="cuda")
+    workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, 64, True), device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         shrunk = shrink_(x, lora_as, workspace, tf32=True, ordered=True)

@@ -36,11 +36,13 @@ TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H10
 # splits (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together with these)
 TARGET_PROGRAMS_FIXED = 256
 FIXED_TILE = (32, 16)
-# up to this many input features an ordered shrink splits K in two at most and adds the two shares by fp32 atomics
-# into zero: 0 + a + b and 0 + b + a are the same float (addition commutes), so no fixed point is needed; its
-# programs come from small tiles instead
+# up to this many input features an ordered shrink may split K in two at most and add the two shares by fp32
+# atomics into zero: 0 + a + b and 0 + b + a are the same float (addition commutes), so no fixed point is needed;
+# its programs then come from small tiles, and it does so where those give at least PAIR_MIN_PROGRAMS programs (the
+# adapters' weights are read from memory by fewer programs otherwise: W1's step at 64 rows is faster in fixed point)
 PAIR_MAX_FEATURES = 2048
 PAIR_TILE = (16, 32)
+PAIR_MIN_PROGRAMS = 128
 WORKSPACE_BYTES = 64 << 20  # largest per-forward LoRA workspace; beyond it each call zeroes its own
 
 
@@ -62,11 +64,13 @@ def can_fuse(x: torch.Tensor, items) -> bool:
     return True
 
 
-def _mode(features: int, ordered: bool) -> str:
+def _mode(rows: int, features: int, group: int, r_pad: int, ordered: bool) -> str:
     """How a shrink's K splits meet: "atomic" (fp32, any order), "pair" (at most two, fp32) or "fixed"."""
     if not ordered:
         return "atomic"
-    return "pair" if features <= PAIR_MAX_FEATURES else "fixed"
+    block_m, block_r = _tiling(rows, r_pad, "pair")
+    programs = triton.cdiv(rows, block_m) * group * (r_pad // block_r) * 2
+    return "pair" if features <= PAIR_MAX_FEATURES and programs >= PAIR_MIN_PROGRAMS else "fixed"
 
 
 def _tiling(rows: int, r_pad: int, mode: str) -> tuple[int, int]:
@@ -201,11 +205,11 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     rank). workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or
     None. The launch takes no host sync.
 
-    ordered: the result depends only on the inputs. Up to PAIR_MAX_FEATURES input features, K is split in two at
-    most and the shares meet by fp32 atomics into zero (two terms add the same in either order). Beyond, the K
-    splits' partial sums meet as fixed point (`common.fixed_add`): the result is the exact sum of the partials
-    truncated to multiples of 2**-32, rounded once to fp32, and NaN in a row where a partial was not finite or too
-    large to hold (`common.fixed_limit`)."""
+    ordered: the result depends only on the inputs. Up to PAIR_MAX_FEATURES input features and with rows enough
+    (PAIR_MIN_PROGRAMS), K is split in two at most and the shares meet by fp32 atomics into zero (two terms add
+    the same in either order). Otherwise the K splits' partial sums meet as fixed point (`common.fixed_add`): the
+    result is the exact sum of the partials truncated to multiples of 2**-32, rounded once to fp32, and NaN in a
+    row where a partial was not finite or too large to hold (`common.fixed_limit`)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
@@ -214,7 +218,7 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
         workspace = torch.zeros(workspace_elements(group, rows, rank, ordered), dtype=torch.float32, device=x.device)
     cells = group * rows * r_pad
     values = workspace[:cells]
-    mode = _mode(features, ordered)
+    mode = _mode(rows, features, group, r_pad, ordered)
     sums = poison = counts = values  # placeholders for the pointers an atomic launch does not use
     if mode == "fixed":
         sums = workspace[cells : 3 * cells].view(torch.int64)
