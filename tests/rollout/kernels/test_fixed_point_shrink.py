@@ -68,17 +68,18 @@ def make_inputs(rows, features, rank, x_dtype, a_dtype, adapters, device=KERNEL_
     return x, lora_as
 
 
-def split_partials(monkeypatch, x, lora_as, per_split: int) -> list[torch.Tensor]:
+def split_partials(x, lora_as, per_split: int) -> list[torch.Tensor]:
     """Each K split's fp32 partial sums [G, M, R_PAD], from an unsplit atomic launch over that split's input features
-    alone, in the fixed-point launch's tiles (the same products, in the same K step and tile shapes, as the split
+    alone, in the fixed-point launch's tiles (the same products, in the same K steps and tile shapes, as the split
     program's; added once to zero, so exact)."""
     tiling = lora_kernels._tiling
-    monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "fixed"))
     parts = []
-    for lo in range(0, x.shape[1], per_split):
-        lora_slices = [a[:, lo : lo + per_split].contiguous() for a in lora_as]
-        parts.append(shrink_(x[:, lo : lo + per_split], lora_slices, tf32=False).clone())
-    monkeypatch.setattr(lora_kernels, "_tiling", tiling)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "fixed"))
+        patch.setattr(lora_kernels, "TARGET_PROGRAMS", 1)  # one program per tile: no atomics' order on a GPU
+        for lo in range(0, x.shape[1], per_split):
+            lora_slices = [a[:, lo : lo + per_split].contiguous() for a in lora_as]
+            parts.append(shrink_(x[:, lo : lo + per_split], lora_slices, tf32=False).clone())
     return parts
 
 
@@ -112,7 +113,7 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     expected = torch.stack([x.to(a.dtype).float() @ a.float().t() for a in lora_as])
     assert_close(values[..., :rank], expected, "fp32_sum", name="fixed-point shrink")
     assert not values[..., rank:].any(), "the shrink past the rank must be zero"
-    parts = split_partials(monkeypatch, x, lora_as, per_split)
+    parts = split_partials(x, lora_as, per_split)
     assert torch.equal(values, fixed_point_sum(parts)), "not the stated fixed-point sum"
 
 
@@ -126,7 +127,7 @@ def test_fixed_point_shrink_at_its_own_width(monkeypatch):
     ((grid, fixed, per_split),) = launches
     monkeypatch.undo()
     assert fixed and grid[2] > 2
-    assert torch.equal(got, fixed_point_sum(split_partials(monkeypatch, x, lora_as, per_split)))
+    assert torch.equal(got, fixed_point_sum(split_partials(x, lora_as, per_split)))
 
 
 def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
@@ -144,6 +145,7 @@ def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
         assert torch.equal(got, shrink_(x, lora_as, tf32=False, ordered=True)), "the same inputs gave other bits"
         monkeypatch.undo()
         monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "pair"))
+        monkeypatch.setattr(lora_kernels, "TARGET_PROGRAMS", 1)  # unsplit: no atomics' order on a GPU
         first, second = (shrink_(x[:, lo : lo + 768], [a[:, lo : lo + 768].contiguous() for a in lora_as],
                                  tf32=False) for lo in (0, 768))  # fmt: skip
         monkeypatch.undo()
