@@ -36,13 +36,14 @@ class EngineOptions:
     fused_sampling: for settings without top-k/top-p/min-p/repetition penalty (TRL's defaults), sample and take
         log-probs with `kernels.sampler` (one pass over the logits, noise drawn in registers) instead of the plain
         functions of `sampling.py` (same distribution, other random draws). Default: on CUDA with Triton.
-    deterministic: the output depends only on the inputs and the seed: the partial sums that the LoRA shrinks split
-        over several GPU programs (`kernels.lora.shrink_(ordered=True)`, down's too, which the gate/up kernel
-        otherwise accumulates) meet as fixed-point integers (`kernels.common.fixed_add`: each truncated to a multiple
-        of 2**-32, then int64 atomics) instead of fp32 atomics, whose order varies from run to run and with it the
-        last bits of the logits, and so, now and then, a sampled token. The base GEMMs' K splits are always added
-        in split order.
-        slimrl's trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in docs/benchmarks.md.
+    deterministic: the output depends only on the inputs and the seed: the LoRA shrinks' K splits
+        (`kernels.lora.shrink_(ordered=True)`; down's too, which the gate/up kernel otherwise accumulates) meet in a
+        way whose result does not depend on which GPU program finishes first: at most two shares added into zero by
+        fp32 atomics (a + b = b + a), or, where that leaves too few programs, as fixed-point integers
+        (`kernels.common.fixed_add`: each share truncated to a multiple of 2**-32, then int64 atomics), instead of
+        fp32 atomics over many shares, whose order varies from run to run and with it the last bits of the logits,
+        and so, now and then, a sampled token. The base GEMMs' K splits are always added in split order. slimrl's
+        trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in docs/benchmarks.md.
     share_prompt_prefill: prompts held by several rows of a wave (GRPO's G completions of one prompt, which TRL
         repeats G times) are prefilled once each: the prefill's forward runs over the distinct prompts only and
         each prompt's K/V are then copied into the cache rows of all its copies (see share_prompt_cache for one

@@ -7,9 +7,10 @@ live from the model:
 
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
-  in the last bits of fp32), or, `ordered`, as fixed-point integers (`common.fixed_add`: each partial truncated to
-  a multiple of 2**-32, then int64 atomics, whose sum is the same in any order), converted to fp32 by the last
-  program of each tile to arrive; the result then depends only on the inputs;
+  in the last bits of fp32), or, `ordered`, so that the result depends only on the inputs: K split in two at most,
+  the two shares added into zero by fp32 atomics (which commute), where small tiles give programs enough; else as
+  fixed-point integers (`common.fixed_add`: each partial truncated to a multiple of 2**-32, then int64 atomics,
+  whose sum is the same in any order), converted to fp32 by the last program of each tile to arrive;
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
