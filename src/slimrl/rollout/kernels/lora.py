@@ -286,7 +286,7 @@ class GroupedLoRA:
 
     `begin(rows, calls, rank)` at the start of a forward zeroes one workspace for all of its calls (one memset per
     decode step instead of one per projection group); calls past it, or of a larger rank, allocate their own.
-    ordered: deterministic shrinks (fixed-point sums, `shrink_`).
+    ordered: deterministic shrinks (`shrink_(ordered=True)`).
     """
 
     def __init__(self, tf32: bool = True, ordered: bool = False):
