@@ -105,9 +105,9 @@ class FusedDecode:
     head_dim: int
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
-    # deterministic: the LoRA shrinks' K splits meet as fixed-point integers (`kernels.common.fixed_add`) instead of
-    # fp32 atomics, so no sum depends on the order in which the programs finish; down's shrink is then a launch of
-    # its own, not fp32 shares from every column tile of the gate/up kernel
+    # deterministic: the LoRA shrinks run `kernels.lora.shrink_(ordered=True)` (two K splits at most by fp32 atomics,
+    # or fixed-point sums), so no sum depends on the order in which the programs finish; down's shrink is then a
+    # launch of its own, not fp32 shares from every column tile of the gate/up kernel
     ordered: bool = False
     choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None
@@ -247,7 +247,7 @@ class FusedDecode:
     def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
         """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
         same launch by fp32 atomics and picked up by the next `linear(act, down)` (not when `ordered`: down then runs
-        its own fixed-point shrink)."""
+        its own ordered shrink)."""
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
