@@ -210,6 +210,13 @@ def random_prompts(batch: int, length: int, vocab: int = W1_VOCAB, seed: int = 0
 # -- timing and bandwidth ------------------------------------------------------------------------------------------
 
 
+def graph_ms(fn, rep: int = 50) -> float:
+    """Milliseconds a call of `fn` takes on the GPU, from CUDA-graph replays (`triton.testing.do_bench_cudagraph`)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep)
+
+
 def sync_time() -> float:
     """perf_counter after the GPU has finished what was queued (plain perf_counter on a machine without CUDA)."""
     import time

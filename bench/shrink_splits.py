@@ -29,9 +29,7 @@ SHRINKS = {"qkv": (3, HIDDEN), "o": (1, HIDDEN), "gate_up": (2, HIDDEN), "down":
 
 
 def timed_us(fn) -> float:
-    import triton.testing
-
-    return round(1000 * triton.testing.do_bench_cudagraph(fn, rep=50), 2)
+    return round(1000 * common.graph_ms(fn), 2)
 
 
 def rand(g, *shape, dtype=torch.bfloat16, std=0.02):
@@ -39,7 +37,8 @@ def rand(g, *shape, dtype=torch.bfloat16, std=0.02):
 
 
 def shrink_times(rows: int, targets, tiles, g) -> dict:
-    """Atomic shrinks for each target; fixed-point ones for each target and largest tile (rows, rank columns)."""
+    """Atomic shrinks for each target; fixed-point ones for each target and largest tile (rows, rank columns);
+    pairs (two K splits, fp32 atomics) for each tile, forced at every width."""
     from slimrl.rollout.kernels import lora
 
     knobs = ("TARGET_PROGRAMS", "TARGET_PROGRAMS_FIXED", "FIXED_TILE", "PAIR_TILE", "PAIR_MAX_FEATURES")
@@ -64,7 +63,8 @@ def shrink_times(rows: int, targets, tiles, g) -> dict:
 
 
 def gate_up_times(rows: int, g) -> dict:
-    """The gate/up launch with the shipped settings: down's shrink in its epilogue or not, and the separate shrink."""
+    """The gate/up launch with the shipped settings, down's (fp32) shrink in its epilogue or not; the difference is
+    to be set beside `shrink_times`' down row."""
     from slimrl.rollout.fused_ops import choices_for
     from slimrl.rollout.kernels import lora, projections
 
@@ -115,8 +115,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     report = {**common.environment(True), "command": sys.argv, "us": {}}
+    tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tiles]
     for rows in args.rows:
-        tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tiles]
         report["us"][f"B{rows}"] = {**shrink_times(rows, args.targets, tiles, g), **gate_up_times(rows, g)}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     report["atomics_ptx"] = atomic_instructions()

@@ -57,12 +57,6 @@ def bytes_read(experts: torch.Tensor, tensors) -> int:
     return sum(t.numel() // EXPERTS * t.element_size() for t in tensors) * used
 
 
-def timed(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=50)  # ms
-
-
 def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool = False,
                  candidates: dict = CANDIDATES) -> dict:  # fmt: skip
     """The reference's time and every candidate's check and time at `tokens` decode rows."""
@@ -71,7 +65,7 @@ def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool
     (gate_up_lora,), (down_lora,) = spec.gate_up.loras, spec.down.loras
     reference = moe.expert_mix(h, weights, experts, spec)
     nbytes = bytes_read(experts, [gate_up, down, *gate_up_lora[:2], *down_lora[:2]])
-    rows = {"reference_ms": round(timed(functools.partial(moe.expert_mix, h, weights, experts, spec)), 4),
+    rows = {"reference_ms": round(common.graph_ms(functools.partial(moe.expert_mix, h, weights, experts, spec)), 4),
             "bytes": nbytes, "candidates": []}  # fmt: skip
     for values in itertools.product(*candidates.values()):
         entry = dict(zip(candidates, values, strict=True))
@@ -84,7 +78,7 @@ def measure_case(kernels, moe, spec, tokens: int, ordered: bool, breakdown: bool
             if entry["rel_error"] > 0.02:
                 entry["status"] = "WRONG"
             else:
-                ms = timed(run)
+                ms = common.graph_ms(run)
                 entry.update(ms=round(ms, 4), GBps=round(nbytes / ms / 1e6, 1))
         except Exception as err:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
             entry["status"] = f"ERR {type(err).__name__}: {str(err)[:120]}"
