@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slimrl.rollout.kernels.gemm import SplitScratch
 from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
 from slimrl.rollout.model.reference import add_lora_, project, qk_norm_rope, silu_mul
 from slimrl.rollout.model.views import NormSpec
@@ -23,15 +24,26 @@ CASES = [
 ]
 
 
+def counted_shrinks(monkeypatch) -> list:
+    """A list that grows by one at each `lora.shrink_` launch from now on."""
+    from slimrl.rollout.kernels import lora as lora_kernels
+
+    shrinks, real_shrink = [], lora_kernels.shrink_
+    monkeypatch.setattr(lora_kernels, "shrink_", lambda *a, **k: shrinks.append(1) or real_shrink(*a, **k))
+    return shrinks
+
+
 @pytest.mark.parametrize("dtype, adapter_dtype, kind", CASES)
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize(
-    "bias, lora, qk_norm, head_dim",
-    # head dim 64 without the norm: each head is split over two programs (16 columns of each RoPE half)
-    [(True, True, False, DIM), (False, False, True, DIM), (False, True, True, 64), (True, True, False, 64)],
-)
+    "bias, lora, qk_norm, head_dim, fused_shrink",
+    # head dim 64 without the norm: each head is split over two programs (16 columns of each RoPE half);
+    # fused_shrink: the launch computes lora_A(h) itself (`gemm.produce_shrink`), else a `shrink_` launch does
+    [(True, True, False, DIM, True), (True, True, False, DIM, False), (False, False, True, DIM, True),
+     (False, True, True, 64, True), (True, True, False, 64, False)],
+)  # fmt: skip
 def test_qkv_kernel_matches_unfused_projection_norm_rope_and_cache_write(
-    dtype, adapter_dtype, kind, gemm, bias, lora, qk_norm, head_dim
+    dtype, adapter_dtype, kind, gemm, bias, lora, qk_norm, head_dim, fused_shrink, monkeypatch
 ):
     DIM = head_dim  # noqa: N806 - the module constant, overridden for this case
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -59,10 +71,16 @@ def test_qkv_kernel_matches_unfused_projection_norm_rope_and_cache_write(
     cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
     anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
     table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
-    ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len))
+    scratch = SplitScratch()
+    ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, scratch))
+    if not fused_shrink:
+        ops.choices["qkv"][16].shrink_k = 0
     grouped.begin(rows, 4, RANK, torch.device(DEVICE))
+    shrinks = counted_shrinks(monkeypatch)
     query = ops.qkv(0, h, specs, *(norms or (None, None)), cos, sin)
     assert query is not None, "the fused kernel refused a layer it should take"
+    assert len(shrinks) == (1 if lora and not fused_shrink else 0)
+    assert not scratch.state(torch.device(DEVICE)).any(), "the launch left its producer counters set"
     assert_close(query.float(), q.reshape(rows, -1).float(), kind, name="q")
     assert_close(cache.keys[0].float(), cache_ref.keys[0].float(), kind, name="cached k")
     assert_close(cache.values[0].float(), cache_ref.values[0].float(), kind, name="cached v")
@@ -74,12 +92,20 @@ def test_qkv_kernel_matches_unfused_projection_norm_rope_and_cache_write(
 @pytest.mark.parametrize("dtype, adapter_dtype, kind", CASES)
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("bias, lora", [(True, True), (False, True), (False, False)])
-def test_projection_kernels_match_peft_linear_and_swiglu(dtype, adapter_dtype, kind, gemm, bias, lora, monkeypatch):
+@pytest.mark.parametrize("fused_shrink", [False, True])
+def test_projection_kernels_match_peft_linear_and_swiglu(dtype, adapter_dtype, kind, gemm, bias, lora, fused_shrink,
+                                                         monkeypatch):  # fmt: skip
     g = torch.Generator(device=DEVICE).manual_seed(1)
     rows, width = 37, 80  # rows over one 32-row tile; width not a multiple of the column tile
     x = rand(g, rows, HIDDEN, dtype=dtype)
     ops, grouped = fused_ops(gemm, dtype)
     grouped.begin(rows, 4, RANK, torch.device(DEVICE))
+    scratch = None
+    if fused_shrink:  # a decode step's context: each launch computes lora_A(x) itself
+        scratch = SplitScratch()
+        zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        ops.bind(StepContext(zero, torch.zeros(1, dtype=dtype, device=DEVICE), zero, 1, scratch))
+    shrinks = counted_shrinks(monkeypatch)
 
     down = make_spec(g, width, HIDDEN, dtype, adapter_dtype, bias, lora, 2.0)
     (want,) = project(x, (down,), add_lora_)
@@ -94,17 +120,19 @@ def test_projection_kernels_match_peft_linear_and_swiglu(dtype, adapter_dtype, k
     assert got is not None
     assert_close(got.float(), want.float(), kind, name="silu(gate) * up")
 
-    # with the down projection named, its LoRA shrink rides in the gate/up launch and `linear` picks it up
+    assert len(shrinks) == (2 if lora and not fused_shrink else 0)
+
+    # with the down projection named, its LoRA shrink rides in the gate/up launch and `linear` picks it up (or, in a
+    # step whose launches compute their own shrinks, the down launch does)
     down2 = make_spec(g, 48, width, dtype, adapter_dtype, bias, lora, 0.25)
     act = ops.gate_up(x, gate, up, down2)
     (want_down,) = project(act, (down2,), add_lora_)
-    from slimrl.rollout.kernels import lora as lora_kernels
-
-    shrinks, real_shrink = [], lora_kernels.shrink_
-    monkeypatch.setattr(lora_kernels, "shrink_", lambda *a, **k: shrinks.append(1) or real_shrink(*a, **k))
+    shrinks.clear()
     got_down = ops.linear(act, down2, "down")
-    assert got_down is not None and not shrinks, "the down projection ran its own shrink"
+    assert got_down is not None and not shrinks, "the down projection ran a shrink launch"
     assert_close(got_down.float(), want_down.float(), kind, name="down after the fused shrink")
+    if scratch is not None:
+        assert not scratch.state(torch.device(DEVICE)).any(), "a launch left its producer counters set"
 
 
 def test_fused_ops_refuse_what_they_cannot_take():

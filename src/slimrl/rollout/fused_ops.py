@@ -45,7 +45,9 @@ class KernelChoice:
     per program), K step, warps and pipeline stages; rows per program (0: up to 64 by the row count) and, for the
     projections, programs per SM to spread the columns over (0: whole tiles; see `kernels.common.tile_columns`);
     and programs sharing each tile's K (split-K, with the kernel's own GEMM during a decode step; see
-    `kernels.gemm.split_gemm`)."""
+    `kernels.gemm.split_gemm`); and, where the launch computes its LoRA shrink itself (`kernels.gemm.
+    produce_shrink`, during a decode step: the same bits in either engine mode), the K columns each of its producer
+    programs takes (0: a `lora.shrink_` launch before it computes the shrink)."""
 
     gemm: bool = True
     block_n: int = 32
@@ -55,6 +57,7 @@ class KernelChoice:
     block_m: int = 0
     per_sm: int = 0
     split_k: int = 1
+    shrink_k: int = 512
 
 
 # settings are chosen per row count: decode batches of up to 16, 64 and 256 rows, and prefill blocks beyond
@@ -132,33 +135,44 @@ class FusedDecode:
 
     # -- the pieces ----------------------------------------------------------------------------------------------
 
-    def _lora(self, x: torch.Tensor, specs):
-        """(workspace, Bs, scales) for specs that each have exactly one adapter of one rank and dtype, None when
-        none has an adapter, False when the kernels cannot take them."""
+    def _lora(self, x: torch.Tensor, specs, fuse: bool):
+        """((workspace, Bs, scales), fuse) for specs that each have exactly one adapter of one rank and dtype, (None,
+        None) when none has an adapter, (False, None) when the kernels cannot take them. fuse: None when the
+        workspace holds lora_A(x) already (a `shrink_` launch here, or the gate/up kernel's), else the kernel's
+        `fuse` argument (it computes the workspace itself) when `fuse` is asked and a decode step's scratch is
+        there."""
         counts = {len(s.loras) for s in specs}
         if counts == {0}:
-            return None
+            return None, None
         if counts != {1}:
-            return False
+            return False, None
         lora_as = [s.loras[0][0] for s in specs]
         lora_bs = [s.loras[0][1] for s in specs]
         rank, dtype = lora_as[0].shape[0], lora_as[0].dtype
         if rank > 128 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
+            return False, None
         for spec, a, b in zip(specs, lora_as, lora_bs, strict=True):
             out_features = spec.weight.shape[0] if spec.weight is not None else None
             if a.dtype != dtype or b.dtype != dtype or a.shape != (rank, x.shape[1]) or b.shape[1] != rank:
-                return False
+                return False, None
             if out_features is not None and b.shape[0] != out_features:
-                return False
+                return False, None
             if not (a.is_contiguous() and b.is_contiguous()):
-                return False
+                return False, None
         scales = [s.loras[0][2] for s in specs]
         shrunk, self._shrunk = self._shrunk, None
         if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
-            return shrunk[2], lora_bs, scales  # the gate/up kernel has computed lora_A(x) already
+            return (shrunk[2], lora_bs, scales), None  # the gate/up kernel has computed lora_A(x) already
+        scratch = self._scratch()
+        state = scratch.state(x.device) if fuse and scratch is not None else None
+        if state is not None:
+            r_pad = lora_kernels.padded_rank(rank)
+            workspace = self.lora.take(len(specs) * x.shape[0] * r_pad, rank)
+            if workspace is None:
+                workspace = torch.empty(len(specs) * x.shape[0] * r_pad, dtype=torch.float32, device=x.device)
+            return (workspace.view(len(specs), x.shape[0], r_pad), lora_bs, scales), (lora_as, state, self.tf32)
         workspace = self.lora.take(lora_kernels.workspace_elements(len(specs), x.shape[0], rank, self.ordered), rank)
-        return lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered), lora_bs, scales
+        return (lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered), lora_bs, scales), None
 
     def _base(self, x: torch.Tensor, specs, gemm: bool):
         """(weights, biases, outputs) for the kernel: weights for the kernel's own GEMM, else base outputs computed
@@ -184,16 +198,24 @@ class FusedDecode:
     def _ready(self, x: torch.Tensor) -> bool:
         return runs_here(x) and x.dim() == 2 and x.stride(-1) == 1
 
+    def fuses_shrink(self, group: str, rows: int) -> bool:
+        """Whether the group's launch over `rows` rows computes its own LoRA shrink: during a decode step (a bound
+        context) at up to 256 rows, where its settings say so."""
+        return self._scratch() is not None and rows <= 256 and self.choice(group, rows).shrink_k > 0
+
     def _prepare(self, x: torch.Tensor, specs, group: str):
-        """(choice, (weights, biases, outputs), lora) for the group's kernel, or None when it cannot take them."""
+        """(choice, (weights, biases, outputs), lora, fuse) for the group's kernel, or None when it cannot take
+        them."""
         if not self._ready(x):
             return None
         choice = self.choice(group, x.shape[0])
         base = self._base(x, specs, choice.gemm)
         if base is None:
             return None
-        lora = self._lora(x, specs)
-        return None if lora is False else (choice, base, lora)
+        lora, fuse = self._lora(x, specs, self.fuses_shrink(group, x.shape[0]))
+        if fuse is not None:
+            fuse = (*fuse, choice.shrink_k)
+        return None if lora is False else (choice, base, lora, fuse)
 
     # -- the operations ------------------------------------------------------------------------------------------
 
@@ -216,14 +238,14 @@ class FusedDecode:
         prepared = self._prepare(h, specs, "qkv")
         if prepared is None:
             return None
-        choice, (weights, biases, outputs), lora = prepared
+        choice, (weights, biases, outputs), lora, fuse = prepared
         norms = None if q_norm is None else ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
         query = torch.empty(h.shape[0], self.heads * self.head_dim, dtype=h.dtype, device=h.device)
         projections.qkv_rope_cache(
             h, weights, biases, outputs, lora, norms, cos, sin, query, context.table, context.anchor, layer,
             context.column, context.cache_len, self.heads, self.kv_heads, self.head_dim, block_k=choice.block_k,
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages, slice_cols=choice.block_n,
-            block_m=choice.block_m, split_k=choice.split_k, scratch=self._scratch(),
+            block_m=choice.block_m, split_k=choice.split_k, scratch=self._scratch(), fuse=fuse,
         )  # fmt: skip
         return query
 
@@ -231,7 +253,7 @@ class FusedDecode:
         prepared = self._prepare(x, specs, group)
         if prepared is None:
             return None
-        choice, (weights, biases, outputs), lora = prepared
+        choice, (weights, biases, outputs), lora, fuse = prepared
         width = weights[0].shape[0] if weights is not None else outputs[0].shape[1]
         out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
         return projections.project(
@@ -239,6 +261,7 @@ class FusedDecode:
             tf32=self.tf32, num_warps=choice.num_warps, num_stages=choice.num_stages,
             next_shrink=None if next_shrink is None else (next_shrink[0], next_shrink[1][0]),
             block_m=choice.block_m, per_sm=choice.per_sm, split_k=choice.split_k, scratch=self._scratch(),
+            fuse=fuse,
         )  # fmt: skip
 
     def linear(self, x, spec: LinearSpec, group: str = "o") -> torch.Tensor | None:
@@ -246,12 +269,14 @@ class FusedDecode:
 
     def gate_up(self, h, gate: LinearSpec, up: LinearSpec, down: LinearSpec | None = None) -> torch.Tensor | None:
         """SiLU(gate) * up; with `down` (the projection that reads it next), its LoRA shrink is accumulated in the
-        same launch by fp32 atomics and picked up by the next `linear(act, down)` (not when `ordered`: down then runs
-        its own ordered shrink)."""
+        same launch by fp32 atomics and picked up by the next `linear(act, down)` (not when `ordered`, nor where
+        down's launch computes its shrink itself)."""
         if gate.module is None and up.module is None and gate.weight.shape != up.weight.shape:
             return None
         next_shrink = None
-        if down is not None and not self.ordered and down.module is None and len(down.loras) == 1 and self._ready(h):
+        fused_down = self.fuses_shrink("down", h.shape[0])
+        if down is not None and not (self.ordered or fused_down) and down.module is None and len(down.loras) == 1 \
+                and self._ready(h):  # fmt: skip
             lora_a = down.loras[0][0]
             rank = lora_a.shape[0]
             dtypes = (torch.float32, torch.bfloat16, torch.float16)

@@ -26,7 +26,9 @@ def make_spec(g, out_features, in_features, dtype, adapter_dtype, bias: bool, lo
 
 
 def fused_ops(gemm: bool, dtype, head_dim: int = DIM):
-    """A FusedDecode whose every group runs the Triton GEMM (gemm) or cuBLAS + epilogue, in K steps of 32."""
+    """A FusedDecode whose every group runs the Triton GEMM (gemm) or cuBLAS + epilogue, in K steps of 32; in a
+    decode step (bound to a context with a scratch) each launch computes its own LoRA shrink in chunks of 64 input
+    features (HIDDEN = 96: two, the last one partial)."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
     from slimrl.rollout.kernels.lora import GroupedLoRA
 
@@ -34,5 +36,14 @@ def fused_ops(gemm: bool, dtype, head_dim: int = DIM):
     for choice in (c for buckets in choices.values() for c in buckets.values()):
         choice.gemm = gemm
         choice.block_k = 32  # HIDDEN = 96: three K steps, the last one partial for block_k 64
+        choice.shrink_k = 64
     lora = GroupedLoRA(tf32=False)
     return FusedDecode(HEADS, KV_HEADS, head_dim, lora, tf32=False, choices=choices), lora
+
+
+def separate_shrinks(choices: dict) -> dict:
+    """choices with every decode launch taking its LoRA shrink from a `lora.shrink_` launch before it
+    (`KernelChoice.shrink_k` 0), as before the projections computed their own."""
+    for choice in (c for buckets in choices.values() for c in buckets.values()):
+        choice.shrink_k = 0
+    return choices

@@ -1,7 +1,11 @@
-"""The MLP of the deterministic decode (`FusedDecode(ordered=True)`, the trainers' default): the gate/up kernel does
-not take the down projection's LoRA shrink (fp32 shares from every column tile would meet by atomics, and as fixed
-point they cost more than a launch of their own: bench/shrink_splits.py); down runs `lora.shrink_(ordered=True)`,
-whose K splits meet as fixed point (`common.fixed_add`). The default mode keeps the fused fp32 shrink.
+"""The MLP of the deterministic decode (`FusedDecode(ordered=True)`, the trainers' default).
+
+By default each projection launch of a decode step computes its own LoRA shrink (`gemm.produce_shrink`: K in
+chunks added in chunk order, so the same bits in either mode). With separate shrink launches (`KernelChoice.shrink_k`
+0, as the prefill's grouped LoRA always runs them) the gate/up kernel does not take the down projection's shrink
+in deterministic mode (fp32 shares from every column tile would meet by atomics, and as fixed point they cost more
+than a launch of their own: bench/shrink_splits.py); down runs `lora.shrink_(ordered=True)`, whose K splits meet as
+fixed point (`common.fixed_add`). The default mode keeps the fused fp32 shrink there.
 
 In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic; the CUDA test
 at the end runs the same launches on a GPU, where programs finish in any order, and checks that the bits do not
@@ -17,7 +21,7 @@ from slimrl.rollout.kernels import projections
 from slimrl.rollout.kv_cache import StepContext
 from slimrl.rollout.model.reference import add_lora_, project, silu_mul
 from slimrl.rollout.model.views import LinearSpec
-from tests.rollout.kernels.builders import DEVICE, HIDDEN, fused_ops, rand
+from tests.rollout.kernels.builders import DEVICE, HIDDEN, fused_ops, rand, separate_shrinks
 from tests.tolerances import assert_close
 
 # 260 intermediate columns: 9 column tiles of 32 (up to 16 rows: groups of 3, 3, 3) or 5 of 64 (17 rows: 3 and 2)
@@ -32,10 +36,13 @@ def lora_spec(g, out_features, in_features, dtype, rank, scale, adapter_dtype=to
     return LinearSpec(None, weight, None, ((lora_a, lora_b, scale),))
 
 
-def ordered_ops(dtype, rank, rows, block_n=None):
+def ordered_ops(dtype, rank, rows, block_n=None, fused=False):
     """A deterministic FusedDecode bound to a step (the projections read nothing of it but its split-K scratch);
-    block_n: the gate/up kernel's column tile (whole tiles), else the shipped one."""
+    block_n: the gate/up kernel's column tile (whole tiles), else the shipped one; fused: the launches compute
+    their own shrinks (the shipped default), else `shrink_` launches do."""
     ops, grouped = fused_ops(True, dtype)
+    if not fused:
+        separate_shrinks(ops.choices)
     ops.ordered = grouped.ordered = True
     if block_n is not None:
         for choice in ops.choices["gate_up"].values():
@@ -82,12 +89,20 @@ def test_deterministic_mlp_matches_the_reference(monkeypatch, rows, rank, dtype,
     assert out is not None and [o for _, o in shrinks] == [True, True], "gate/up's and down's fixed-point shrinks"
 
     assert_close(act.float(), silu_mul(*project(x, (gate, up), add_lora_)).float(), kind, name="silu(gate) * up")
+    (want,) = project(act, (down,), add_lora_)
+    assert_close(out.float(), want.float(), kind, name="down")
     lora_a = down.loras[0][0]
     shrunk = shrinks[1][0][0]
     assert_close(shrunk[:, :rank], act.to(lora_a.dtype).float() @ lora_a.float().t(), "fp32_sum", name="down shrink")
     assert not shrunk[:, rank:].any(), "the shrink past the rank must be zero"
-    (want,) = project(act, (down,), add_lora_)
-    assert_close(out.float(), want.float(), kind, name="down")
+    # the same with the shipped setting: each launch computes its own shrink, with no launch of its own
+    shrinks.clear()
+    fused, _ = ordered_ops(dtype, rank, rows, fused=True)
+    act_fused = fused.gate_up(x, gate, up, down)
+    out_fused = fused.linear(act_fused, down, "down")
+    assert not shrinks and fused._shrunk is None, "a launch of the fused setting ran or left a shrink"
+    assert_close(act_fused.float(), act.float(), kind, name="silu(gate) * up, fused shrinks")
+    assert_close(out_fused.float(), want.float(), kind, name="down, fused shrink")
 
 
 def test_default_gate_up_keeps_the_fused_down_shrink(monkeypatch):
@@ -110,10 +125,13 @@ def test_default_gate_up_keeps_the_fused_down_shrink(monkeypatch):
 
 
 
-def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch, fused):
     """The engine with fused_decode and deterministic on (the trainers' default) decodes greedily as transformers'
-    generate in fp32; no gate/up launch took down's shrink, and every shrink ran as fixed point."""
+    generate in fp32; no gate/up launch took down's shrink. fused (the shipped setting): the decode steps ran no
+    shrink launch (only the prefill did); else every shrink ran as fixed point."""
     from slimrl.rollout.engine import RolloutEngine
+    from slimrl.rollout.fused_ops import choices_for
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
 
     fused_down = []
@@ -132,43 +150,56 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
     tokens = 3
     expected = hf_greedy(model, PROMPTS, tokens, eos_token_id=None)  # (on the CPU: helpers builds its inputs there)
     # no CUDA graph on a GPU: every decode step then calls the kernels from Python, and is counted
+    choices = choices_for(torch.device(DEVICE))[0]
     engine = RolloutEngine(model.to(DEVICE), max_seq_len=64, triton_lora=True, triton_attention=True,
-                           fused_decode=True, deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
+                           fused_decode=True, deterministic=True, cuda_graphs=False, compile=False,
+                           kernel_choices=choices if fused else separate_shrinks(choices))  # fmt: skip
     completions = engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids
     assert completions == expected
     steps, layers = tokens - 1, 2  # the first token comes from the prefill
     assert len(fused_down) >= steps * layers and not any(fused_down), "a deterministic gate/up took down's shrink"
-    assert len(shrinks) >= steps * layers * 4 and all(o for _, o in shrinks), "a shrink was not fixed point"
+    assert all(o for _, o in shrinks), "a shrink was not ordered"
+    prefill_rows = max(r.shape[1] for r, _ in shrinks)  # [G, rows, R]; decode steps run fewer (padded) rows
+    decode_shrinks = [r for r, _ in shrinks if r.shape[1] < prefill_rows]
+    assert len(decode_shrinks) == (0 if fused else steps * layers * 4), "decode steps' shrink launches"
 
 
 @pytest.mark.cuda
-def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeypatch):
-    """W1's MLP (64 rows, hidden 1536, intermediate 8960, LoRA r=64 in fp32 on a bf16 model) on the shipped
-    settings: gate/up, then down with its fixed-point shrink, five times; the programs finish in a different order
-    each time on a GPU, the bits may not change. The shrink is also checked against act · Aᵀ (TF32 products)."""
+@pytest.mark.parametrize("rows", [8, 64, 256])
+@pytest.mark.parametrize("fused", [True, False])
+def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeypatch, rows, fused):
+    """W1's MLP (hidden 1536, intermediate 8960, LoRA r=64 in fp32 on a bf16 model) on the shipped settings, with
+    each launch computing its own shrink (fused, the shipped default) or with separate ordered shrink launches:
+    gate/up, then down, five times; the programs finish in a different order each time on a GPU, the bits may not
+    change. The output is checked against peft's math, and a separate down shrink against act · Aᵀ (TF32)."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
     from slimrl.rollout.kernels.lora import GroupedLoRA
 
-    rows, hidden, inter, rank = 64, 1536, 8960, 64
-    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter, rank = 1536, 8960, 64
+    g = torch.Generator(device="cuda").manual_seed(rows)
     x = rand(g, rows, hidden, dtype=torch.bfloat16)
     gate, up = (lora_spec(g, inter, hidden, torch.bfloat16, rank, 2.0) for _ in range(2))
     down = lora_spec(g, hidden, inter, torch.bfloat16, rank, 2.0)
     calls = counted_shrinks(monkeypatch)
     grouped = GroupedLoRA(tf32=True, ordered=True)
-    ops = FusedDecode(12, 2, 128, grouped, tf32=True, ordered=True, choices=choices_for(torch.device("cuda"))[0])
+    choices = choices_for(torch.device("cuda"))[0]
+    ops = FusedDecode(12, 2, 128, grouped, tf32=True, ordered=True,
+                      choices=choices if fused else separate_shrinks(choices))  # fmt: skip
     ops.bind(StepContext(None, None, None, 0, ops.new_scratch()))
     runs = []
     for _ in range(5):
         grouped.begin(rows, 4, rank, torch.device("cuda"))
         act = ops.gate_up(x, gate, up, down)
         out = ops.linear(act, down, "down")
-        runs.append((act, calls[-1][0][0].clone(), out))
-    assert len(calls) == 10 and all(o for _, o in calls), "gate/up's and down's shrinks, fixed point"
+        runs.append((act, out) if fused else (act, out, calls[-1][0][0].clone()))
+    assert len(calls) == (0 if fused else 10) and all(o for _, o in calls), "gate/up's and down's shrinks"
     for i, run in enumerate(runs[1:], 1):
-        for name, first, again in zip(("act", "down shrink", "down"), runs[0], run, strict=True):
+        for name, first, again in zip(("act", "down", "down shrink")[: len(run)], runs[0], run, strict=True):
             assert torch.equal(first, again), f"{name}: run {i} gave other bits than run 0"
-    lora_a = down.loras[0][0]
-    want = runs[0][0].float() @ lora_a.t()
-    error = float((runs[0][1][:, :rank] - want).abs().max() / want.abs().max())
-    assert error < 1e-2, f"the down shrink is off by {error:.3g} of its largest magnitude"
+    (want,) = project(runs[0][0], (down,), add_lora_)
+    assert_close(runs[0][1].float(), want.float(), "bf16", name="down")
+    if not fused:
+        lora_a = down.loras[0][0]
+        want = runs[0][0].float() @ lora_a.t()
+        error = float((runs[0][2][:, :rank] - want).abs().max() / want.abs().max())
+        assert error < 1e-2, f"the down shrink is off by {error:.3g} of its largest magnitude"

@@ -208,9 +208,12 @@ def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
 
 def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
     """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, with its
-    shrinks forced to fixed point (hidden 192: three splits), and again as pairs (two splits, fp32)."""
+    shrinks forced to fixed point (hidden 192: three splits), and again as pairs (two splits, fp32); the decode
+    launches take their shrinks from `shrink_` launches here (`KernelChoice.shrink_k` 0)."""
     from slimrl.rollout.engine import RolloutEngine
+    from slimrl.rollout.fused_ops import choices_for
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
+    from tests.rollout.kernels.builders import separate_shrinks
 
     model = no_eos(with_lora(build("qwen2", hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                                    intermediate_size=160)))  # fmt: skip
@@ -222,8 +225,10 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
         monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", pair_max)
         monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)  # (a few rows here)
         launches = recorded_launches(monkeypatch)
+        choices = separate_shrinks(choices_for(torch.device(KERNEL_DEVICE))[0])
         engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
-                               deterministic=True, cuda_graphs=False, compile=False)  # fmt: skip
+                               deterministic=True, cuda_graphs=False, compile=False,
+                               kernel_choices=choices)  # fmt: skip
         assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
         decode = [(grid[2], fixed) for grid, fixed, _ in launches if grid[0] == 1]  # one row tile: decode steps'
         assert len(decode) >= steps * layers * 4 and set(decode) == {want}, "a shrink did not run as set"

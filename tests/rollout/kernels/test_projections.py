@@ -88,6 +88,8 @@ def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split
         assert_close(act.float(), act_ref.float(), "bf16", name=f"silu(gate) * up, launch {attempt}")
         (want,) = project(act, (down,), add_lora_)
         assert_close(out.float(), want.float(), "bf16", name=f"down, launch {attempt}")
-        (held,) = scratch._held.values()
-        assert held[1].numel() > 0 and not held[1].any(), "a tile's arrival count was left non-zero"
+        assert len(scratch._held) == 2, "split-K slots and the producers' chunk slots"
+        for _, counts in scratch._held.values():
+            assert counts.numel() > 0 and not counts.any(), "a tile's arrival count was left non-zero"
+        assert not scratch.state(torch.device(DEVICE)).any(), "a launch left its producer counters set"
 

@@ -54,18 +54,18 @@ def with_bias(acc, b_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr, OUT: tl.constexp
 
 
 @triton.jit
-def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, sp_ptr, cnt_ptr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, EVEN_K: tl.constexpr,
-                PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """The fp32 products of `gemm_pair` with K split over SPLIT programs (program_id(2)), and whether this program
-    holds them (the last of its tile to finish; the others return partial sums and False).
+def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, sp_ptr, cnt_ptr, tile,
+                split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The fp32 products of `gemm_pair` with K split over SPLIT programs (this one the `split`-th of output tile
+    `tile`), and whether this program holds them (the last of its tile to finish; the others return partial sums
+    and False).
 
     Each program stores its partial sums in its own slot of sp (fp32, [tiles, SPLIT, 2, BM, BN]) and counts itself
     in cnt[tile] (int32, zero between launches); the last to arrive adds the slots in split order, so the sum
     does not depend on which finished first, and zeroes the count for the next launch."""
     acc0 = tl.zeros((BM, BN), dtype=tl.float32)
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-    split = tl.program_id(2)
     k_per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
     k_lo = split * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
@@ -73,7 +73,6 @@ def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_o
                             k_hi, BK, TWO, EVEN_K, PRECISION, DOT_F32)  # fmt: skip
     last = True
     if SPLIT > 1:
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         slots = sp_ptr + tile.to(tl.int64) * (SPLIT * 2 * BM * BN)
         tl.store(slots + (2 * split) * (BM * BN) + cells, acc0)
@@ -94,16 +93,18 @@ def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_o
 
 @triton.jit
 def base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, b0_ptr, b1_ptr, y0_ptr,
-                  y1_ptr, width, K, sp_ptr, cnt_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  y1_ptr, width, K, sp_ptr, cnt_ptr, tile, split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   TWO: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, OUT: tl.constexpr,
                   SPLIT: tl.constexpr):  # fmt: skip
     """The base projection's outputs at columns offs0 (and offs1 when TWO), rounded as transformers gets them:
-    computed here (GEMM, K split over SPLIT programs, see `split_gemm`) or loaded from y0/y1 [M, width]
+    computed here (GEMM, K split over SPLIT programs, this one the `split`-th of output tile `tile`, see
+    `split_gemm`) or loaded from y0/y1 [M, width]
     (computed by cuBLAS or a module); and m_ok narrowed to nothing in the programs that do not finish the tile."""
     if GEMM:
         acc0, acc1, last = split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_ok, K, sp_ptr,
-                                       cnt_ptr, BM, BN, BK, TWO, EVEN_K, PRECISION, DOT_F32, SPLIT)  # fmt: skip
+                                       cnt_ptr, tile, split, BM, BN, BK, TWO, EVEN_K, PRECISION, DOT_F32,
+                                       SPLIT)  # fmt: skip
         if SPLIT > 1:  # (m_ok & last in int32: the interpreter's bool & broadcast bool gives no bool mask)
             m_ok = (m_ok.to(tl.int32) & last.to(tl.int32)) != 0
         y0 = with_bias(acc0, b0_ptr, offs0, n_ok, HAS_BIAS, OUT)
@@ -119,11 +120,17 @@ def base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n
 
 @triton.jit
 def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
-              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr,
+              FROM_L2: tl.constexpr = False):  # fmt: skip
     """peft's `result + lora_B(lora_A(x)) * scaling`, rounded to the output dtype; lora_A(x) is the shrink
-    workspace [G, M, R_PAD] (fp32), lora_B is [N, R]."""
+    workspace [G, M, R_PAD] (fp32), lora_B is [N, R]. FROM_L2: the workspace was written during this launch by
+    other programs (`produce_shrink`): read it past L1 (.cg)."""
     offs_r = tl.arange(0, R_PAD)
-    xa = tl.load(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], mask=m_ok[:, None], other=0.0)
+    ws_ptrs = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
+    if FROM_L2:
+        xa = tl.load(ws_ptrs, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        xa = tl.load(ws_ptrs, mask=m_ok[:, None], other=0.0)
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
     if ROUND_ADAPTER:  # half-precision adapters: each of peft's steps rounds to the adapter dtype
         xa = round_to(xa, b.dtype)
@@ -136,8 +143,112 @@ def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, O
     return round_to(y + delta, OUT)
 
 
+# -- lora_A(x) inside the projection's own launch ----------------------------------------------------------------------
+# A projection launch may compute the LoRA shrink of its input itself instead of reading it from a launch before.
+# Its first programs to start (by arrival ticket, not program id: so every one of them is running before any other
+# program waits for them) are "producers". The workspace [G, M, R_PAD] is cut into tiles of `producer_rows` rows
+# and the whole rank, and each tile's K into SPLITS chunks: a producer computes one chunk's x · A_gᵀ into a slot of
+# its own, and the last of a tile's producers to finish adds the slots in chunk order (so the sum is the same on
+# every run, in either engine mode), stores the tile and publishes it. The other programs do the GEMM tiles and wait
+# only before their LoRA epilogue, until every tile is published. `state` (int32 [4], zero between launches): tickets
+# taken, tiles published, programs finished; the last program to finish zeroes it for the next launch.
+PRODUCER_K = 64  # K step of a producer's loop
+
+
+def producer_rows(rows: int) -> int:
+    """Rows of one producer tile: small tiles at decode batch sizes, so many programs share the work."""
+    return 16 if rows <= 64 else (32 if rows <= 256 else 64)
+
+
+def producer_grid(rows: int, features: int, group: int, chunk: int) -> tuple[int, int]:
+    """(tiles, chunks per tile) of the producers of a launch over x [rows, features] for `group` adapters, each
+    producer taking `chunk` columns of K (rounded up to whole K steps)."""
+    chunk = triton.cdiv(max(chunk, 1), PRODUCER_K) * PRODUCER_K
+    return triton.cdiv(rows, producer_rows(rows)) * group, triton.cdiv(features, chunk)
+
+
+@triton.jit
+def take_ticket(state_ptr, FUSED: tl.constexpr):
+    """This program's place in the launch: its arrival order when FUSED (producers are the first to arrive), else its
+    program id."""
+    if FUSED:
+        return tl.atomic_add(state_ptr, 1, sem="relaxed", scope="gpu")
+    return tl.program_id(0)
+
+
+@triton.jit
+def produce_shrink(t, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R, sp_ptr, cnt_ptr, state_ptr,
+                   SPLITS, PM: tl.constexpr, PK: tl.constexpr, R_PAD: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
+    """Producer t: chunk t % SPLITS of K for tile t // SPLITS (adapter g, PM rows) of ws [G, M, R_PAD] = x · A_gᵀ
+    (fp32, zero past the rank). x [M, K] with row stride stride_xm; A_g [R, K] contiguous; the input is cast to the
+    adapter's dtype first, as peft does (`lora.shrink_` does the same). With SPLITS > 1 the chunks meet in sp
+    (fp32 [tiles, SPLITS, PM, R_PAD]) and cnt (int32 [tiles], zero between launches): the last to arrive adds them
+    in chunk order. The finished tile is published in state[1]."""
+    tile = t // SPLITS
+    split = t % SPLITS
+    row_blocks = tl.cdiv(M, PM)
+    group = tile // row_blocks
+    if group == 0:
+        a_ptr = a0_ptr
+    elif group == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    rows = tl.arange(0, PM)
+    offs_m = (tile % row_blocks) * PM + rows
+    offs_r = tl.arange(0, R_PAD)
+    offs_k = tl.arange(0, PK)
+    m_ok = offs_m[:, None] < M
+    r_ok = offs_r[:, None] < R
+    chunk = tl.cdiv(tl.cdiv(K, PK), SPLITS) * PK
+    k_lo = split * chunk
+    acc = tl.zeros((PM, R_PAD), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(K, k_lo + chunk), PK):
+        k = k0 + offs_k
+        k_ok = k[None, :] < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok & k_ok, other=0.0)
+        a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :], mask=r_ok & k_ok, other=0.0)
+        x = x.to(a.dtype).to(tl.float32)
+        acc = tl.dot(x, tl.trans(a.to(tl.float32)), acc, input_precision=PRECISION)
+    done = True
+    if SPLITS > 1:
+        cells = rows[:, None] * R_PAD + offs_r[None, :]
+        slots = sp_ptr + tile.to(tl.int64) * SPLITS * (PM * R_PAD)
+        tl.store(slots + split * (PM * R_PAD) + cells, acc)
+        tl.debug_barrier()  # every thread's partial sums are out before the count is released
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+        if done:
+            acc = tl.zeros((PM, R_PAD), dtype=tl.float32)
+            for s in range(0, SPLITS):  # in chunk order; .cg reads the other SMs' stores from L2
+                acc += tl.load(slots + s * (PM * R_PAD) + cells, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)
+    if done:
+        tl.store(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], acc, mask=m_ok)
+        tl.debug_barrier()  # every thread's stores are out before the tile is published
+        tl.atomic_add(state_ptr + 1, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def await_producers(state_ptr, count):
+    """Return once `count` producer tiles have been published (their stores then visible to loads past L1)."""
+    seen = tl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+    while seen < count:
+        seen = tl.atomic_add(state_ptr + 1, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def leave(state_ptr, total):
+    """Count this program out; the last of the launch's `total` zeroes the state for the next launch."""
+    if tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="gpu") == total - 1:
+        tl.store(state_ptr, 0)
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + 2, 0)
+
+
 class SplitScratch:
-    """Partial-sum slots and arrival counts of the split-K launches (`split_gemm`), one pair per device.
+    """Partial-sum slots and arrival counts of the split-K launches (`split_gemm`), one pair per device, and the
+    counters of launches with producers (`state`).
 
     A captured graph bakes their addresses in, so they live as long as the owner (the engine's decode session, with
     its graph): they grow outside a capture (the warm-up steps before one see every shape) and are never freed
@@ -145,11 +256,25 @@ class SplitScratch:
     launches (each tile's last program resets its own)."""
 
     def __init__(self):
-        self._held: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._outgrown: list = []  # superseded buffers an earlier capture may still read
+        self._states: dict[torch.device, torch.Tensor] = {}
 
-    def take(self, device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        held = self._held.get(device)
+    def state(self, device: torch.device) -> torch.Tensor | None:
+        """The zeroed int32 [4] counters of launches with producers (`produce_shrink`), or None during a capture
+        that finds none made (such a launch then takes its shrink from a launch of its own)."""
+        state = self._states.get(device)
+        if state is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            state = self._states[device] = torch.zeros(4, dtype=torch.int32, device=device)
+        return state
+
+    def take(self, device: torch.device, elements: int, tiles: int,
+             purpose: str = "split") -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(fp32 slots of at least `elements`, zeroed int32 counts of at least `tiles`) for one purpose ("split":
+        split-K launches; "shrink": producers' chunks, which run beside split-K programs in the same launch), or
+        None during a capture that finds them too small."""
+        key = (device, purpose)
+        held = self._held.get(key)
         if held is not None and held[0].numel() >= elements and held[1].numel() >= tiles:
             return held
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -159,7 +284,7 @@ class SplitScratch:
             elements, tiles = max(elements, held[0].numel()), max(tiles, held[1].numel())
         held = (torch.empty(elements, dtype=torch.float32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))  # fmt: skip
-        self._held[device] = held
+        self._held[key] = held
         return held
 
 

@@ -14,7 +14,10 @@ layer. Here a program owns a tile of output columns for all rows and finishes it
   epilogue (gate and up).
 
 Both can also take the base outputs precomputed (for bitsandbytes layers, which dequantise themselves) and then
-only add LoRA and run the epilogue. Arithmetic follows transformers and peft in eager mode: the base output is
+only add LoRA and run the epilogue. In a decode step both can compute the LoRA shrink of their input themselves
+(`fuse`): their first programs to start are producers of the workspace (`gemm.produce_shrink`) and the others wait
+for it only before their LoRA epilogue, which saves the step a `shrink_` launch per projection group (and the
+deterministic mode its ordered sums: the producers add their chunks in a fixed order). Arithmetic follows transformers and peft in eager mode: the base output is
 rounded to the activation dtype, LoRA adds `B(A x) * scale` in the adapter dtype (rounding as peft does for half
 adapters), the sum is rounded once, and RoPE and SwiGLU round after each elementwise op as eager bf16 does.
 Only summation order differs from the references in `fused_decode.py`; the tests compare the two.
@@ -31,7 +34,19 @@ from slimrl.rollout.kernels import interpreting
 from slimrl.rollout.kernels.common import block_m as rows_per_program
 from slimrl.rollout.kernels.common import enter, precision, round_to, tile_columns
 from slimrl.rollout.kernels.common import options as launch_options
-from slimrl.rollout.kernels.gemm import SplitScratch, add_lora, base_outputs, split_args
+from slimrl.rollout.kernels.gemm import (
+    PRODUCER_K,
+    SplitScratch,
+    add_lora,
+    await_producers,
+    base_outputs,
+    leave,
+    produce_shrink,
+    producer_grid,
+    producer_rows,
+    split_args,
+    take_ticket,
+)
 from slimrl.rollout.kv_cache import table_unit
 
 __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
@@ -39,40 +54,60 @@ __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
 
 @triton.jit
 def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_ptr, ws_ptr, lb0_ptr, lb1_ptr,
-                 s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, M, N, K, R, RN, COLS,
+                 s0, s1, out_ptr, an_ptr, wsn_ptr, sp_ptr, cnt_ptr, la0_ptr, la1_ptr, psp_ptr, pcnt_ptr, st_ptr, M,
+                 N, K, R, RN, COLS, ROW_BLOCKS, COL_TILES, PRODUCED, CHUNKS,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, PAIR: tl.constexpr,
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
-                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 RN_PAD: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, PM: tl.constexpr,
+                 PK: tl.constexpr, SHRINK_PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    lanes = tl.arange(0, BN)
-    offs_n = tl.program_id(1) * COLS + lanes  # a program owns COLS <= BN columns (see `tile_columns`)
-    n_ok = (offs_n < N) & (lanes < COLS)
     enter(PDL)
-    y0, y1, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w0_ptr, offs_n, w1_ptr, offs_n, n_ok, b0_ptr,
-                                 b1_ptr, y0_ptr, y1_ptr, N, K, sp_ptr, cnt_ptr, BM, BN, BK, PAIR, GEMM, HAS_BIAS,
-                                 EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
-    tile = m_ok[:, None] & n_ok[None, :]  # (nothing in the split programs that do not finish the tile)
-    if HAS_LORA:
-        y0 = add_lora(y0, ws_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD, ROUND_ADAPTER,
-                       PRECISION)  # fmt: skip
-        if PAIR:
-            y1 = add_lora(y1, ws_ptr, 1, M, offs_m, m_ok, lb1_ptr, offs_n, n_ok, R, s1, OUT, R_PAD, ROUND_ADAPTER,
-                           PRECISION)  # fmt: skip
-    out = y0
-    if PAIR:  # F.silu(gate) * up in eager: silu in fp32 rounded once, then the product rounded
-        out = round_to(round_to(y0 / (1.0 + tl.exp(-y0)), OUT) * y1, OUT)
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(OUT), mask=tile)
-    if NEXT:  # the next projection's lora_A(out), this tile's share of it
-        offs_r = tl.arange(0, RN_PAD)
-        a = tl.load(an_ptr + offs_r[:, None] * N + offs_n[None, :], mask=(offs_r[:, None] < RN) & n_ok[None, :],
-                    other=0.0)  # fmt: skip
-        # out cast to the adapter's dtype (peft's cast, as in `shrink_`); the shares meet by atomic adds in the
-        # zeroed workspace, in whatever order the programs finish
-        part = tl.dot(tl.where(tile, out.to(a.dtype).to(tl.float32), 0.0), tl.trans(a.to(tl.float32)),
-                      input_precision=PRECISION)  # fmt: skip
-        tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None], sem="relaxed")
+    t = take_ticket(st_ptr, FUSED)
+    producers = PRODUCED * CHUNKS  # (zero without FUSED)
+    producing = False
+    if FUSED:  # the first programs to arrive compute lora_A(x) (`gemm.produce_shrink`)
+        producing = t < producers
+    if producing:
+        produce_shrink(t, x_ptr, stride_xm, M, K, la0_ptr, la1_ptr, la1_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, st_ptr,
+                       CHUNKS, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
+    else:
+        c = t - producers  # this program's output tile (row block fastest) and K split
+        pid_m = c % ROW_BLOCKS
+        pid_n = (c // ROW_BLOCKS) % COL_TILES
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        lanes = tl.arange(0, BN)
+        offs_n = pid_n * COLS + lanes  # a program owns COLS <= BN columns (see `tile_columns`)
+        n_ok = (offs_n < N) & (lanes < COLS)
+        y0, y1, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w0_ptr, offs_n, w1_ptr, offs_n, n_ok,
+                                     b0_ptr, b1_ptr, y0_ptr, y1_ptr, N, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + pid_n,
+                                     c // (ROW_BLOCKS * COL_TILES), BM, BN, BK, PAIR, GEMM, HAS_BIAS, EVEN_K,
+                                     PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
+        tile = m_ok[:, None] & n_ok[None, :]  # (nothing in the split programs that do not finish the tile)
+        if HAS_LORA:
+            if FUSED:
+                await_producers(st_ptr, PRODUCED)
+            y0 = add_lora(y0, ws_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD, ROUND_ADAPTER,
+                           PRECISION, FUSED)  # fmt: skip
+            if PAIR:
+                y1 = add_lora(y1, ws_ptr, 1, M, offs_m, m_ok, lb1_ptr, offs_n, n_ok, R, s1, OUT, R_PAD,
+                               ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
+        out = y0
+        if PAIR:  # F.silu(gate) * up in eager: silu in fp32 rounded once, then the product rounded
+            out = round_to(round_to(y0 / (1.0 + tl.exp(-y0)), OUT) * y1, OUT)
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(OUT), mask=tile)
+        if NEXT:  # the next projection's lora_A(out), this tile's share of it
+            offs_r = tl.arange(0, RN_PAD)
+            a = tl.load(an_ptr + offs_r[:, None] * N + offs_n[None, :],
+                        mask=(offs_r[:, None] < RN) & n_ok[None, :], other=0.0)  # fmt: skip
+            # out cast to the adapter's dtype (peft's cast, as in `shrink_`); the shares meet by atomic adds in the
+            # zeroed workspace, in whatever order the programs finish
+            part = tl.dot(tl.where(tile, out.to(a.dtype).to(tl.float32), 0.0), tl.trans(a.to(tl.float32)),
+                          input_precision=PRECISION)  # fmt: skip
+            tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None],
+                          sem="relaxed")  # fmt: skip
+    if FUSED:
+        leave(st_ptr, producers + ROW_BLOCKS * COL_TILES * SPLIT)
 
 
 @triton.jit
@@ -116,48 +151,86 @@ def _rope(y_lo, y_hi, cos_ptr, sin_ptr, offs_m, m_ok, offs_d, OUT: tl.constexpr,
 @triton.jit
 def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr,
                 ws_ptr, lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, qn_ptr, kn_ptr, eps_q, eps_k, cos_ptr, sin_ptr,
-                q_out_ptr, table_ptr, anchor_ptr, layer, col_ptr, cache_len, sp_ptr, cnt_ptr, M, K, R,
+                q_out_ptr, table_ptr, anchor_ptr, layer, col_ptr, cache_len, sp_ptr, cnt_ptr, laq_ptr, lak_ptr,
+                lav_ptr, psp_ptr, pcnt_ptr, st_ptr, M, K, R, ROW_BLOCKS, COL_TILES, PRODUCED, CHUNKS,
                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                 R_PAD: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                 ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr, EVEN_K: tl.constexpr,
                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
-                UNIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                UNIT: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, PM: tl.constexpr, PK: tl.constexpr,
+                SHRINK_PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    part = tl.program_id(1) % PARTS
-    kind, head, w_ptr, b_ptr, y_ptr, lb_ptr, scale, width = _qkv_target(
-        tl.program_id(1) // PARTS, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr, lbq_ptr,
-        lbk_ptr, lbv_ptr, sq, sk, sv, HQ, HK, D)  # fmt: skip
-    offs_d = part * SLICE + tl.arange(0, SLICE)
-    lo = head * D + offs_d  # this head's first and second RoPE halves
-    hi = lo + HALF
-    all_n = offs_d < HALF
     enter(PDL)
-    y_lo, y_hi, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w_ptr, lo, w_ptr, hi, all_n, b_ptr,
-                                    b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, BM, SLICE, BK, True, GEMM,
-                                    HAS_BIAS, EVEN_K, PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
-    if HAS_LORA:
-        y_lo = add_lora(y_lo, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
-                        ROUND_ADAPTER, PRECISION)  # fmt: skip
-        y_hi = add_lora(y_hi, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, hi, all_n, R, scale, OUT, R_PAD,
-                        ROUND_ADAPTER, PRECISION)  # fmt: skip
-    if kind < 2:
-        if QK_NORM:  # SLICE is HALF here: one program holds the whole head
-            if kind == 0:
-                y_lo, y_hi = _head_rms_norm(y_lo, y_hi, qn_ptr, eps_q, offs_d, OUT, D, HALF)
-            else:
-                y_lo, y_hi = _head_rms_norm(y_lo, y_hi, kn_ptr, eps_k, offs_d, OUT, D, HALF)
-        y_lo, y_hi = _rope(y_lo, y_hi, cos_ptr, sin_ptr, offs_m, m_ok, offs_d, OUT, D, HALF)
-    if kind == 0:
-        base = q_out_ptr + offs_m[:, None] * (HQ * D) + head * D
-    else:  # row b's K (or V) at [b, head, column, :] of this layer's [B, HK, cache_len, D] cache
-        cache = anchor_ptr + tl.load(table_ptr + 2 * layer + kind - 1) * UNIT
-        column = tl.load(col_ptr)
-        base = cache + ((offs_m[:, None] * HK + head) * cache_len + column) * D
-    tl.store(base + offs_d[None, :], y_lo.to(OUT), mask=m_ok[:, None])
-    tl.store(base + HALF + offs_d[None, :], y_hi.to(OUT), mask=m_ok[:, None])
+    t = take_ticket(st_ptr, FUSED)
+    producers = PRODUCED * CHUNKS  # (zero without FUSED)
+    producing = False
+    if FUSED:  # the first programs to arrive compute lora_A(x) for q, k and v (`gemm.produce_shrink`)
+        producing = t < producers
+    if producing:
+        produce_shrink(t, x_ptr, stride_xm, M, K, laq_ptr, lak_ptr, lav_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, st_ptr,
+                       CHUNKS, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
+    else:
+        c = t - producers  # this program's output tile (row block fastest) and K split
+        pid_m = c % ROW_BLOCKS
+        j = (c // ROW_BLOCKS) % COL_TILES
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        part = j % PARTS
+        kind, head, w_ptr, b_ptr, y_ptr, lb_ptr, scale, width = _qkv_target(
+            j // PARTS, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr, lbq_ptr, lbk_ptr,
+            lbv_ptr, sq, sk, sv, HQ, HK, D)  # fmt: skip
+        offs_d = part * SLICE + tl.arange(0, SLICE)
+        lo = head * D + offs_d  # this head's first and second RoPE halves
+        hi = lo + HALF
+        all_n = offs_d < HALF
+        y_lo, y_hi, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w_ptr, lo, w_ptr, hi, all_n, b_ptr,
+                                        b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + j,
+                                        c // (ROW_BLOCKS * COL_TILES), BM, SLICE, BK, True, GEMM, HAS_BIAS, EVEN_K,
+                                        PRECISION, DOT_F32, OUT, SPLIT)  # fmt: skip
+        if HAS_LORA:
+            if FUSED:
+                await_producers(st_ptr, PRODUCED)
+            y_lo = add_lora(y_lo, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
+                            ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
+            y_hi = add_lora(y_hi, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, hi, all_n, R, scale, OUT, R_PAD,
+                            ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
+        if kind < 2:
+            if QK_NORM:  # SLICE is HALF here: one program holds the whole head
+                if kind == 0:
+                    y_lo, y_hi = _head_rms_norm(y_lo, y_hi, qn_ptr, eps_q, offs_d, OUT, D, HALF)
+                else:
+                    y_lo, y_hi = _head_rms_norm(y_lo, y_hi, kn_ptr, eps_k, offs_d, OUT, D, HALF)
+            y_lo, y_hi = _rope(y_lo, y_hi, cos_ptr, sin_ptr, offs_m, m_ok, offs_d, OUT, D, HALF)
+        if kind == 0:
+            base = q_out_ptr + offs_m[:, None] * (HQ * D) + head * D
+        else:  # row b's K (or V) at [b, head, column, :] of this layer's [B, HK, cache_len, D] cache
+            cache = anchor_ptr + tl.load(table_ptr + 2 * layer + kind - 1) * UNIT
+            column = tl.load(col_ptr)
+            base = cache + ((offs_m[:, None] * HK + head) * cache_len + column) * D
+        tl.store(base + offs_d[None, :], y_lo.to(OUT), mask=m_ok[:, None])
+        tl.store(base + HALF + offs_d[None, :], y_hi.to(OUT), mask=m_ok[:, None])
+    if FUSED:
+        leave(st_ptr, producers + ROW_BLOCKS * COL_TILES * SPLIT)
+
+
+def _producer_args(x: torch.Tensor, lora, fuse, scratch) -> dict:
+    """The producer arguments of a launch (`gemm.produce_shrink`): with fuse = (A tensors, state, tf32, K columns
+    per producer) and LoRA, the launch computes lora_A(x) into lora's workspace itself; otherwise none."""
+    if lora is None or fuse is None:
+        return {"a": (x, x, x), "slots": (x, x), "state": x, "tiles": 0, "chunks": 0, "FUSED": False, "PM": 16,
+                "SHRINK_PRECISION": "ieee"}  # fmt: skip
+    lora_as, state, tf32, chunk = fuse
+    (rows, features), r_pad = x.shape, lora[0].shape[-1]
+    tiles, chunks = producer_grid(rows, features, len(lora_as), chunk)
+    slots = (x, x)
+    if chunks > 1:
+        slots = scratch.take(x.device, tiles * chunks * producer_rows(rows) * r_pad, tiles, purpose="shrink")
+        if slots is None:
+            raise RuntimeError("no room for the producers' chunks during a capture: take them before capturing")
+    return {"a": tuple(lora_as) + (lora_as[0],) * (3 - len(lora_as)), "slots": slots, "state": state,
+            "tiles": tiles, "chunks": chunks, "FUSED": True, "PM": producer_rows(rows),
+            "SHRINK_PRECISION": "tf32" if tf32 else "ieee"}  # fmt: skip
 
 
 def can_run_qkv(head_dim: int, dtype: torch.dtype) -> bool:
@@ -168,7 +241,7 @@ def can_run_qkv(head_dim: int, dtype: torch.dtype) -> bool:
 
 def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, table, anchor, layer, column, cache_len,
                    heads, kv_heads, head_dim, block_k=64, tf32=True, num_warps=4, num_stages=3,
-                   slice_cols=0, block_m=0, split_k=1, scratch=None) -> None:  # fmt: skip
+                   slice_cols=0, block_m=0, split_k=1, scratch=None, fuse=None) -> None:  # fmt: skip
     """q, k, v of one decode step's layer, LoRA, Qwen3 norms and RoPE applied; q into q_out [M, heads*D], k and v
     into the cache at `column` of the layer's tensors found through table[2*layer] (K) and table[2*layer+1] (V) (see
     `kv_cache.table_entries`; anchor is a tensor of the cache's dtype).
@@ -181,6 +254,9 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
     gives more programs for few heads. Qwen3's per-head norm needs the whole head, so it always takes all.
     block_m: rows per program (0 = the smallest tile that holds them, up to 64). split_k: programs that share each
     tile's K (`_split_gemm`; with the kernel's own GEMM and a `SplitScratch` only).
+    fuse: None, or ((Aq, Ak, Av) [R, K] contiguous, a `SplitScratch.state`, tf32, K columns per producer): the
+    launch computes the LoRA workspace itself (`gemm.produce_shrink`, its chunks' slots from `scratch`; the
+    workspace need not be zeroed) instead of reading it from `shrink_`.
     """
     rows, features = x.shape
     gemm = weights is not None
@@ -208,10 +284,12 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
     tiles = (triton.cdiv(rows, block_m), (heads + 2 * kv_heads) * (half // slice_cols))
     split, partials, counts = split_args(split_k if gemm else 1, scratch, x, tiles[0] * tiles[1], block_m,
                                           slice_cols, block_k)  # fmt: skip
-    _qkv_kernel[(*tiles, split)](
+    fused = _producer_args(x, lora, fuse, scratch)
+    _qkv_kernel[(fused["tiles"] * fused["chunks"] + tiles[0] * tiles[1] * split,)](
         x, x.stride(0), *weights_or_x, *b, *y, workspace, *lora_bs, *(float(s) for s in scales), qn, kn,
-        float(eps_q), float(eps_k), cos, sin, q_out, table, anchor, layer, column, cache_len, partials, counts, rows,
-        features, rank,
+        float(eps_q), float(eps_k), cos, sin, q_out, table, anchor, layer, column, cache_len, partials, counts,
+        *fused["a"], *fused["slots"], fused["state"], rows, features, rank, *tiles, fused["tiles"], fused["chunks"],
+        FUSED=fused["FUSED"], PM=fused["PM"], PK=PRODUCER_K, SHRINK_PRECISION=fused["SHRINK_PRECISION"],
         HQ=heads, HK=kv_heads, D=head_dim, BM=block_m, BK=block_k, R_PAD=r_pad, GEMM=gemm, HAS_BIAS=has_bias,
         HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter, QK_NORM=norms is not None,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
@@ -221,7 +299,7 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
 
 
 def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, block_k=64, tf32=True, num_warps=4,
-            num_stages=3, next_shrink=None, block_m=0, per_sm=0, split_k=1, scratch=None) -> torch.Tensor:
+            num_stages=3, next_shrink=None, block_m=0, per_sm=0, split_k=1, scratch=None, fuse=None) -> torch.Tensor:
     """out [M, N] = x W0ᵀ + b0 + LoRA0, or with pair=True silu(that) * (x W1ᵀ + b1 + LoRA1).
 
     weights (W0[, W1]) [N, K] contiguous and biases (or None) for the GEMM, or outputs (y0[, y1]) [M, N] contiguous
@@ -232,7 +310,10 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     instead, which is faster than fixed-point shares from every column tile). block_m: rows per program (0 = up to
     64 by the row count); per_sm: spread the columns over about that many programs per SM (`tile_columns`);
     split_k: programs that share each tile's K (`_split_gemm`; with the kernel's own GEMM and a `SplitScratch`
-    only). Returns out."""
+    only). fuse: None, or ((A0[, A1]) [R, K] contiguous, a `SplitScratch.state`, tf32, K columns per producer): the
+    launch computes the LoRA workspace itself (`gemm.produce_shrink`, its chunks' slots from `scratch`; the
+    workspace need not be zeroed) instead of reading it from `shrink_`.
+    Returns out."""
     rows, features = x.shape
     gemm = weights is not None
     has_bias = gemm and biases is not None and biases[0] is not None
@@ -260,9 +341,13 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
     tiles = (row_blocks, triton.cdiv(width, cols))
     split, partials, counts = split_args(split_k if gemm else 1, scratch, x, tiles[0] * tiles[1], block_m, block_n,
                                           block_k)  # fmt: skip
-    _proj_kernel[(*tiles, split)](
+    fused = _producer_args(x, lora, fuse, scratch)
+    _proj_kernel[(fused["tiles"] * fused["chunks"] + tiles[0] * tiles[1] * split,)](
         x, x.stride(0), *two(w), *two(b), *two(y), workspace, *two(lora_bs), *two(scales), out, next_a,
-        next_ws, partials, counts, rows, width, features, rank, next_rank, cols, BM=block_m, BN=block_n,
+        next_ws, partials, counts, *fused["a"][:2], *fused["slots"], fused["state"], rows, width, features, rank,
+        next_rank, cols, *tiles, fused["tiles"], fused["chunks"], FUSED=fused["FUSED"], PM=fused["PM"],
+        PK=PRODUCER_K,
+        SHRINK_PRECISION=fused["SHRINK_PRECISION"], BM=block_m, BN=block_n,
         BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split, GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None,
         ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
