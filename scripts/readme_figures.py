@@ -324,7 +324,7 @@ def render_w2(b: dict[str, Source]) -> str:
     lines += ["", f"{provenance(latest)} One run and process for every column; TRL's columns generate "
               f"{latest.get('hf.B8.new_tokens')} new tokens a sequence, the engine {latest.get('new_tokens')}.", "",
               "The trainers run the engine with deterministic kernels (`deterministic_rollouts=True`, their default: "
-              "the same seed gives the same rollouts), which costs throughput (both settings in one run):", "",
+              "the same seed gives the same rollouts); both settings in one run:", "",
               "| batch | non-deterministic kernels (tok/s) | deterministic kernels (tok/s) | change |",
               "|---|---|---|---|"]  # fmt: skip
     det_batches = [int(m[1]) for path in default.fields if (m := re.fullmatch(r"engine\.B(\d+)\.tok_s", path))]

@@ -42,8 +42,10 @@ class EngineOptions:
         fp32 atomics (a + b = b + a), or, where that leaves too few programs, as fixed-point integers
         (`kernels.common.fixed_add`: each share truncated to a multiple of 2**-32, then int64 atomics), instead of
         fp32 atomics over many shares, whose order varies from run to run and with it the last bits of the logits,
-        and so, now and then, a sampled token. The base GEMMs' K splits are always added in split order. slimrl's
-        trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in docs/benchmarks.md.
+        and so, now and then, a sampled token. The base GEMMs' K splits are always added in split order, and so are
+        the shrinks the decode launches compute themselves (`KernelChoice.shrink_k`; up to 64 rows on the H100), in
+        either mode. slimrl's trainers turn it on (GRPOConfig.deterministic_rollouts); its cost is in
+        docs/benchmarks.md.
     share_prompt_prefill: prompts held by several rows of a wave (GRPO's G completions of one prompt, which TRL
         repeats G times) are prefilled once each: the prefill's forward runs over the distinct prompts only and
         each prompt's K/V are then copied into the cache rows of all its copies (see share_prompt_cache for one

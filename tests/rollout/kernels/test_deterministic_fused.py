@@ -169,7 +169,7 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
 @pytest.mark.parametrize("fused", [True, False])
 def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeypatch, rows, fused):
     """W1's MLP (hidden 1536, intermediate 8960, LoRA r=64 in fp32 on a bf16 model) on the shipped settings, with
-    each launch computing its own shrink (fused, the shipped default) or with separate ordered shrink launches:
+    each launch computing its own shrink (fused, in chunks of 512) or with separate ordered shrink launches:
     gate/up, then down, five times; the programs finish in a different order each time on a GPU, the bits may not
     change. The output is checked against peft's math, and a separate down shrink against act · Aᵀ (TF32)."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
@@ -183,8 +183,9 @@ def test_deterministic_decode_at_w1_shape_gives_the_same_bits_every_time(monkeyp
     calls = counted_shrinks(monkeypatch)
     grouped = GroupedLoRA(tf32=True, ordered=True)
     choices = choices_for(torch.device("cuda"))[0]
-    ops = FusedDecode(12, 2, 128, grouped, tf32=True, ordered=True,
-                      choices=choices if fused else separate_shrinks(choices))  # fmt: skip
+    for choice in (c for buckets in choices.values() for c in buckets.values()):
+        choice.shrink_k = 512 if fused else 0  # (the shipped settings fuse at some row counts only)
+    ops = FusedDecode(12, 2, 128, grouped, tf32=True, ordered=True, choices=choices)
     ops.bind(StepContext(None, None, None, 0, ops.new_scratch()))
     runs = []
     for _ in range(5):
