@@ -1,11 +1,11 @@
-"""How close the decode step's projection kernel (`kernels.projections.project`, base GEMM only, at the shipped
-launch settings) comes to the other ways of writing a skinny GEMM at W1's shapes (o, gate/up with SwiGLU, down),
-weights read from memory: cuBLAS (`x @ Wᵀ`), and a plain Triton kernel over a grid of candidates: column tile,
-K step, K splits (fp32 atomics), x·Wᵀ or its transpose W·xᵀ (the batch as the MMA's N), pointer loads or TMA
-descriptors (`triton.tools.tensor_descriptor`), warps. Each call runs the GEMM over COPIES distinct weight sets
-(more than L2 holds), timed as CUDA-graph replays; GB/s counts weight bytes. A candidate whose output differs from
-the fp32 reference by more than 2% of its largest magnitude is WRONG. Report only: it says whether a redesign of the
-projection kernel can pay, not what the engine runs.
+"""How close the decode step's projection kernel (`kernels.projections.project`, no LoRA, at the shipped launch
+settings: its own GEMM, or cuBLAS and its epilogue where those say so) comes to the other ways of writing a skinny
+GEMM at W1's shapes (o, gate/up with SwiGLU, down), weights read from memory: cuBLAS (`x @ Wᵀ`), and a plain Triton
+kernel over a grid of candidates: column tile, K step, K splits (fp32 atomics), x·Wᵀ or its transpose W·xᵀ (the
+batch as the MMA's N), pointer loads or TMA descriptors (`triton.tools.tensor_descriptor`), warps. Each call runs
+the GEMM over COPIES distinct weight sets (more than L2 holds), timed as CUDA-graph replays; GB/s counts weight
+bytes. A candidate whose output differs from the fp32 reference by more than 2% of its largest magnitude is WRONG.
+Report only: it says whether a redesign of the projection kernel can pay, not what the engine runs.
 
     python bench/skinny_gemm.py $OUT/skinny_gemm.json [--rows 64 8 256]
 """
@@ -167,9 +167,11 @@ def measure(rows: int, name: str, g) -> dict:
     choice = buckets[min(b for b in buckets if b >= rows)]
     scratch = projections.SplitScratch()
 
-    def ours():
+    def ours():  # as the engine runs it: the kernel's own GEMM, or (choice.gemm off) cuBLAS and the kernel's epilogue
         for i in range(COPIES):
-            projections.project(x, [ws[i], w2s[i]] if pair else [ws[i]], None, None, None, ys[i], pair,
+            weights = [ws[i], w2s[i]] if pair else [ws[i]]
+            outputs = None if choice.gemm else [x @ w.t() for w in weights]
+            projections.project(x, weights if choice.gemm else None, None, outputs, None, ys[i], pair,
                                 block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps,
                                 num_stages=choice.num_stages, block_m=choice.block_m, per_sm=choice.per_sm,
                                 split_k=choice.split_k, scratch=scratch)  # fmt: skip
