@@ -115,6 +115,16 @@ def tile_columns(width: int, row_blocks: int, block_n: int, per_sm: int, device:
     return max(1, min(block_n, triton.cdiv(width, programs)))
 
 
+@triton.jit
+def pick(index, p0, p1, p2):
+    """p0, p1 or p2 by index (0, 1, anything else): one of up to three tensors a launch serves (q, k, v)."""
+    if index == 0:
+        return p0
+    elif index == 1:
+        return p1
+    return p2
+
+
 # -- sums that do not depend on the order of their terms -------------------------------------------------------------
 
 FIXED_BITS = 32  # fractional bits of the deterministic sums' fixed point: units of 2**-32

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout.kernels.common import round_to
+from slimrl.rollout.kernels.common import pick, round_to
 
 
 @triton.jit
@@ -168,11 +168,18 @@ def producer_grid(rows: int, features: int, group: int, chunk: int) -> tuple[int
 
 
 @triton.jit
-def take_ticket(state_ptr, FUSED: tl.constexpr):
-    """This program's place in the launch: its arrival order when FUSED (producers are the first to arrive), else its
-    program id."""
+def arrive(state_ptr, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R, sp_ptr, cnt_ptr, TILES, CHUNKS,
+           FUSED: tl.constexpr, PM: tl.constexpr, PK: tl.constexpr, R_PAD: tl.constexpr,
+           PRECISION: tl.constexpr):  # fmt: skip
+    """This program's index among the launch's GEMM programs, or a negative number for a producer, which has done its
+    work (`produce_shrink`) when this returns. FUSED: the first TILES * CHUNKS programs to arrive (an arrival ticket)
+    are producers; else there are none and the index is the program id."""
     if FUSED:
-        return tl.atomic_add(state_ptr, 1, sem="relaxed", scope="gpu")
+        t = tl.atomic_add(state_ptr, 1, sem="relaxed", scope="gpu")
+        if t < TILES * CHUNKS:
+            produce_shrink(t, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R, sp_ptr, cnt_ptr, state_ptr,
+                           CHUNKS, PM, PK, R_PAD, PRECISION)  # fmt: skip
+        return t - TILES * CHUNKS
     return tl.program_id(0)
 
 
@@ -189,12 +196,7 @@ def produce_shrink(t, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R,
     split = t % SPLITS
     row_blocks = tl.cdiv(M, PM)
     group = tile // row_blocks
-    if group == 0:
-        a_ptr = a0_ptr
-    elif group == 1:
-        a_ptr = a1_ptr
-    else:
-        a_ptr = a2_ptr
+    a_ptr = pick(group, a0_ptr, a1_ptr, a2_ptr)
     rows = tl.arange(0, PM)
     offs_m = (tile % row_blocks) * PM + rows
     offs_r = tl.arange(0, R_PAD)

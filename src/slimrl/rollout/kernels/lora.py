@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import runs_here
-from slimrl.rollout.kernels.common import enter, fixed_add, fixed_limit, fixed_load
+from slimrl.rollout.kernels.common import enter, fixed_add, fixed_limit, fixed_load, pick
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.model.reference import add_lora_
 
@@ -110,12 +110,7 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sum_ptr, pz_ptr, cnt_p
     group = tl.program_id(1) // R_BLOCKS
     r_block = tl.program_id(1) % R_BLOCKS
     split = tl.program_id(2)
-    if group == 0:
-        a_ptr = a0_ptr
-    elif group == 1:
-        a_ptr = a1_ptr
-    else:
-        a_ptr = a2_ptr
+    a_ptr = pick(group, a0_ptr, a1_ptr, a2_ptr)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)

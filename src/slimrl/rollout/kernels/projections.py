@@ -17,9 +17,11 @@ Both can also take the base outputs precomputed (for bitsandbytes layers, which 
 only add LoRA and run the epilogue. In a decode step both can compute the LoRA shrink of their input themselves
 (`fuse`): their first programs to start are producers of the workspace (`gemm.produce_shrink`) and the others wait
 for it only before their LoRA epilogue, which saves the step a `shrink_` launch per projection group (and the
-deterministic mode its ordered sums: the producers add their chunks in a fixed order). Arithmetic follows transformers and peft in eager mode: the base output is
-rounded to the activation dtype, LoRA adds `B(A x) * scale` in the adapter dtype (rounding as peft does for half
-adapters), the sum is rounded once, and RoPE and SwiGLU round after each elementwise op as eager bf16 does.
+deterministic mode its ordered sums: the producers add their chunks in a fixed order).
+
+Arithmetic follows transformers and peft in eager mode: the base output is rounded to the activation dtype, LoRA
+adds `B(A x) * scale` in the adapter dtype (rounding as peft does for half adapters), the sum is rounded once, and
+RoPE and SwiGLU round after each elementwise op as eager bf16 does.
 Only summation order differs from the references in `fused_decode.py`; the tests compare the two.
 Import this module only where Triton may be used: it imports triton at import time.
 """
@@ -38,14 +40,13 @@ from slimrl.rollout.kernels.gemm import (
     PRODUCER_K,
     SplitScratch,
     add_lora,
+    arrive,
     await_producers,
     base_outputs,
     leave,
-    produce_shrink,
     producer_grid,
     producer_rows,
     split_args,
-    take_ticket,
 )
 from slimrl.rollout.kv_cache import table_unit
 
@@ -63,16 +64,10 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
                  PK: tl.constexpr, SHRINK_PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     enter(PDL)
-    t = take_ticket(st_ptr, FUSED)
-    producers = PRODUCED * CHUNKS  # (zero without FUSED)
-    producing = False
-    if FUSED:  # the first programs to arrive compute lora_A(x) (`gemm.produce_shrink`)
-        producing = t < producers
-    if producing:
-        produce_shrink(t, x_ptr, stride_xm, M, K, la0_ptr, la1_ptr, la1_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, st_ptr,
-                       CHUNKS, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
-    else:
-        c = t - producers  # this program's output tile (row block fastest) and K split
+    # the first programs to arrive compute lora_A(x) when FUSED (`gemm.produce_shrink`); c < 0 for them
+    c = arrive(st_ptr, x_ptr, stride_xm, M, K, la0_ptr, la1_ptr, la1_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, PRODUCED,
+               CHUNKS, FUSED, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
+    if c >= 0:  # this program's output tile (row block fastest) and K split
         pid_m = c % ROW_BLOCKS
         pid_n = (c // ROW_BLOCKS) % COL_TILES
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -107,7 +102,7 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
             tl.atomic_add(wsn_ptr + offs_m[:, None] * RN_PAD + offs_r[None, :], part, mask=m_ok[:, None],
                           sem="relaxed")  # fmt: skip
     if FUSED:
-        leave(st_ptr, producers + ROW_BLOCKS * COL_TILES * SPLIT)
+        leave(st_ptr, PRODUCED * CHUNKS + ROW_BLOCKS * COL_TILES * SPLIT)
 
 
 @triton.jit
@@ -163,16 +158,10 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
     enter(PDL)
-    t = take_ticket(st_ptr, FUSED)
-    producers = PRODUCED * CHUNKS  # (zero without FUSED)
-    producing = False
-    if FUSED:  # the first programs to arrive compute lora_A(x) for q, k and v (`gemm.produce_shrink`)
-        producing = t < producers
-    if producing:
-        produce_shrink(t, x_ptr, stride_xm, M, K, laq_ptr, lak_ptr, lav_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, st_ptr,
-                       CHUNKS, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
-    else:
-        c = t - producers  # this program's output tile (row block fastest) and K split
+    # the first programs to arrive compute lora_A(x) for q, k and v when FUSED (`gemm.produce_shrink`); c < 0 for them
+    c = arrive(st_ptr, x_ptr, stride_xm, M, K, laq_ptr, lak_ptr, lav_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, PRODUCED,
+               CHUNKS, FUSED, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
+    if c >= 0:  # this program's output tile (row block fastest) and K split
         pid_m = c % ROW_BLOCKS
         j = (c // ROW_BLOCKS) % COL_TILES
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -211,7 +200,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         tl.store(base + offs_d[None, :], y_lo.to(OUT), mask=m_ok[:, None])
         tl.store(base + HALF + offs_d[None, :], y_hi.to(OUT), mask=m_ok[:, None])
     if FUSED:
-        leave(st_ptr, producers + ROW_BLOCKS * COL_TILES * SPLIT)
+        leave(st_ptr, PRODUCED * CHUNKS + ROW_BLOCKS * COL_TILES * SPLIT)
 
 
 def _producer_args(x: torch.Tensor, lora, fuse, scratch) -> dict:
