@@ -126,10 +126,29 @@ def fits(candidate, rows, width, features, pair) -> bool:
     return smem <= 200_000 and 48 <= (width // block_n) * split <= 2048
 
 
-def measure(rows: int, name: str, g) -> dict:
+def projection_fn(x, ws, w2s, ys, name: str, pair: bool):
+    """(a call of `projections.project` over every weight copy as the engine runs it at these rows: the kernel's own
+    GEMM, or, where the settings say so, cuBLAS and the kernel's epilogue; those settings)."""
     from slimrl.rollout import fused_ops
     from slimrl.rollout.kernels import projections
 
+    buckets = fused_ops.choices_for(x.device)[0][name]
+    choice = buckets[min(b for b in buckets if b >= x.shape[0])]
+    scratch = projections.SplitScratch()
+
+    def run():
+        for i in range(COPIES):
+            weights = [ws[i], w2s[i]] if pair else [ws[i]]
+            outputs = None if choice.gemm else [x @ w.t() for w in weights]
+            projections.project(x, weights if choice.gemm else None, None, outputs, None, ys[i], pair,
+                                block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps,
+                                num_stages=choice.num_stages, block_m=choice.block_m, per_sm=choice.per_sm,
+                                split_k=choice.split_k, scratch=scratch)  # fmt: skip
+
+    return run, choice
+
+
+def measure(rows: int, name: str, g) -> dict:
     width, features, pair = SHAPES[name]
     x = torch.randn(rows, features, device="cuda", generator=g).to(torch.bfloat16)
     ws = [(torch.randn(width, features, device="cuda", generator=g) * features**-0.5).to(torch.bfloat16)
@@ -163,19 +182,7 @@ def measure(rows: int, name: str, g) -> dict:
         out["cublas"] = (round(us, 2), round(weight_bytes / us / 1e3))
     else:
         out["cublas"] = timing(cublas, ys[0])
-    buckets = fused_ops.choices_for(x.device)[0][name]
-    choice = buckets[min(b for b in buckets if b >= rows)]
-    scratch = projections.SplitScratch()
-
-    def ours():  # as the engine runs it: the kernel's own GEMM, or (choice.gemm off) cuBLAS and the kernel's epilogue
-        for i in range(COPIES):
-            weights = [ws[i], w2s[i]] if pair else [ws[i]]
-            outputs = None if choice.gemm else [x @ w.t() for w in weights]
-            projections.project(x, weights if choice.gemm else None, None, outputs, None, ys[i], pair,
-                                block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps,
-                                num_stages=choice.num_stages, block_m=choice.block_m, per_sm=choice.per_sm,
-                                split_k=choice.split_k, scratch=scratch)  # fmt: skip
-
+    ours, choice = projection_fn(x, ws, w2s, ys, name, pair)
     ours()  # (the split-K scratch grows outside the capture)
     out["slimrl"] = timing(ours, ys[0])
     out["slimrl_settings"] = str(choice)

@@ -330,7 +330,7 @@ def render_w2(b: dict[str, Source]) -> str:
     det_batches = [int(m[1]) for path in default.fields if (m := re.fullmatch(r"engine\.B(\d+)\.tok_s", path))]
     for n in det_batches:
         fast, ordered = default.get(f"engine.B{n}.tok_s"), det.get(f"engine_variants.deterministic=1.B{n}.tok_s")
-        lines.append(f"| {n} | {fast:,} | {ordered:,} | {ordered / fast - 1:+.0%} |")
+        lines.append(f"| {n} | {fast:,} | {ordered:,} | {ordered / fast - 1:+.1%} |")
     lines += ["", provenance(default, det, kernels=False), "",
               f"A full GRPO step (W3: {w3_shape(w3)}), means after each side's first step:", "",
               f"| | TRL {w3.get('versions.trl')} | slimrl | TRL / slimrl |", "|---|---|---|---|"]  # fmt: skip
