@@ -92,13 +92,18 @@ def test_qkv_kernel_matches_unfused_projection_norm_rope_and_cache_write(
 @pytest.mark.parametrize("dtype, adapter_dtype, kind", CASES)
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("bias, lora", [(True, True), (False, True), (False, False)])
-@pytest.mark.parametrize("fused_shrink", [False, True])
-def test_projection_kernels_match_peft_linear_and_swiglu(dtype, adapter_dtype, kind, gemm, bias, lora, fused_shrink,
+# shrink_k: a `shrink_` launch (0), or the launch's own producers in chunks of 64 inputs (two, the last partial) or
+# one over all of them (what a capture that finds the chunks' slots too small falls back to)
+@pytest.mark.parametrize("shrink_k", [0, 64, 4096])
+def test_projection_kernels_match_peft_linear_and_swiglu(dtype, adapter_dtype, kind, gemm, bias, lora, shrink_k,
                                                          monkeypatch):  # fmt: skip
+    fused_shrink = shrink_k > 0
     g = torch.Generator(device=DEVICE).manual_seed(1)
     rows, width = 37, 80  # rows over one 32-row tile; width not a multiple of the column tile
     x = rand(g, rows, HIDDEN, dtype=dtype)
     ops, grouped = fused_ops(gemm, dtype)
+    for choice in (c for buckets in ops.choices.values() for c in buckets.values()):
+        choice.shrink_k = shrink_k
     grouped.begin(rows, 4, RANK, torch.device(DEVICE))
     scratch = None
     if fused_shrink:  # a decode step's context: each launch computes lora_A(x) itself
