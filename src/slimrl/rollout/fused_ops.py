@@ -135,12 +135,12 @@ class FusedDecode:
 
     # -- the pieces ----------------------------------------------------------------------------------------------
 
-    def _lora(self, x: torch.Tensor, specs, fuse: bool):
+    def _lora(self, x: torch.Tensor, specs, shrink_k: int):
         """((workspace, Bs, scales), fuse) for specs that each have exactly one adapter of one rank and dtype, (None,
         None) when none has an adapter, (False, None) when the kernels cannot take them. fuse: None when the
         workspace holds lora_A(x) already (a `shrink_` launch here, or the gate/up kernel's), else the kernel's
-        `fuse` argument (it computes the workspace itself) when `fuse` is asked and a decode step's scratch is
-        there."""
+        `fuse` argument (it computes the workspace itself, shrink_k input features per producer) when shrink_k > 0
+        and a decode step's scratch is there."""
         counts = {len(s.loras) for s in specs}
         if counts == {0}:
             return None, None
@@ -164,13 +164,14 @@ class FusedDecode:
         if shrunk is not None and len(specs) == 1 and shrunk[0] is x and shrunk[1] is lora_as[0]:
             return (shrunk[2], lora_bs, scales), None  # the gate/up kernel has computed lora_A(x) already
         scratch = self._scratch()
-        state = scratch.state(x.device) if fuse and scratch is not None else None
+        state = scratch.state(x.device) if shrink_k > 0 and scratch is not None else None
         if state is not None:
             r_pad = lora_kernels.padded_rank(rank)
             workspace = self.lora.take(len(specs) * x.shape[0] * r_pad, rank)
             if workspace is None:
                 workspace = torch.empty(len(specs) * x.shape[0] * r_pad, dtype=torch.float32, device=x.device)
-            return (workspace.view(len(specs), x.shape[0], r_pad), lora_bs, scales), (lora_as, state, self.tf32)
+            return ((workspace.view(len(specs), x.shape[0], r_pad), lora_bs, scales),
+                    (lora_as, state, self.tf32, shrink_k))  # fmt: skip
         workspace = self.lora.take(lora_kernels.workspace_elements(len(specs), x.shape[0], rank, self.ordered), rank)
         return (lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered), lora_bs, scales), None
 
@@ -212,9 +213,7 @@ class FusedDecode:
         base = self._base(x, specs, choice.gemm)
         if base is None:
             return None
-        lora, fuse = self._lora(x, specs, self.fuses_shrink(group, x.shape[0]))
-        if fuse is not None:
-            fuse = (*fuse, choice.shrink_k)
+        lora, fuse = self._lora(x, specs, choice.shrink_k if self.fuses_shrink(group, x.shape[0]) else 0)
         return None if lora is False else (choice, base, lora, fuse)
 
     # -- the operations ------------------------------------------------------------------------------------------
