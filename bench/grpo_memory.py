@@ -153,7 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--variants",
         default="",
         help="slimrl settings to compare, e.g. '8/8192/1;8/0/0;auto/8192/1/0' = "
-        "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0 or 1)]; each is measured as slimrl[variant]",
+        "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0, 1, or noattn: on but the attention blocks (their "
+        "rotary embedding) left as the model's)]; each is measured as slimrl[variant]",
     )
     return parser.parse_args(argv)
 
@@ -166,7 +167,8 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
         variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
                    "offload_checkpoints": offload == "1"}  # fmt: skip
         if fast:
-            variant["fast_lora"] = fast[0] == "1"
+            variant["fast_lora"] = fast[0] != "0"
+            variant["attention"] = fast[0] != "noattn"
         runs.append((f"slimrl[{spec}]", variant))
     return runs
 
@@ -181,7 +183,12 @@ def run_lengths(kind: str, variant: dict | None, model, args, report: dict, path
         from slimrl.models.fast_lora import disable_fast_lora
 
         disable_fast_lora(model)  # an earlier side's trainer switched the shared model's layers
-    trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, variant)
+    settings = {k: v for k, v in (variant or {}).items() if k != "attention"} if variant is not None else None
+    trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, settings)
+    if variant is not None and variant.get("attention", True) is False:
+        from slimrl.models.fast_lora import disable_fast_lora
+
+        disable_fast_lora(model, kind="attention")  # the trainer switched every kind; this variant keeps eager RoPE
     for length in args.lengths:
         key = f"{kind}_L{length}"
         if kind == "trl" and length > args.skip_trl_above:

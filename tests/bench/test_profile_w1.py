@@ -1,4 +1,5 @@
-"""bench/profile_w1.py sorts CUDA kernels into families by name; the GPU run itself is a benchmark (no CPU test)."""
+"""bench/profile_w1.py sorts CUDA kernels into families by name, and bench/grpo_memory.py parses its variants; the GPU
+runs themselves are benchmarks (no CPU test)."""
 
 import importlib.util
 from pathlib import Path
@@ -32,3 +33,18 @@ def load():
 )
 def test_kernels_fall_into_their_family(name, expected):
     assert load().family(name) == expected
+
+
+def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
+    """bench/grpo_memory.py's --variants: the fourth field 0 / 1 / noattn (fast LoRA with eager RoPE)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "grpo_memory.py"
+    spec = importlib.util.spec_from_file_location("grpo_memory_variants", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["1024", "--trainers", "slimrl", "--variants", "auto/8192/1/noattn;8/0/0/0;auto/8192/1"])
+    runs = module.planned_runs(args)
+    assert [name for name, _ in runs] == ["slimrl", "slimrl[auto/8192/1/noattn]", "slimrl[8/0/0/0]",
+                                          "slimrl[auto/8192/1]"]  # fmt: skip
+    assert runs[1][1] == {"num_chunks": "auto", "mlp_tile_tokens": 8192, "offload_checkpoints": True,
+                          "fast_lora": True, "attention": False}  # fmt: skip
+    assert runs[2][1]["fast_lora"] is False and "fast_lora" not in runs[3][1]

@@ -24,7 +24,7 @@ from tests.tolerances import assert_close
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 13, 14, 15, 16, 17, 18]])
 MASK = (IDS != 0).long()
-SWITCHED = {"mlp": 2, "linear": 8, "norm": 4}  # 2 layers: their MLPs, q/k/v/o projections and two norms each
+SWITCHED = {"mlp": 2, "linear": 8, "norm": 4, "attention": 2}  # 2 layers: MLPs, q/k/v/o, two norms, attention blocks
 
 
 def lora_model(arch="llama", dropout=0.0, dtype=torch.float32, **config):
@@ -38,7 +38,7 @@ def lora_model(arch="llama", dropout=0.0, dtype=torch.float32, **config):
 def loss_and_grads(model):
     model.train()
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=IDS, attention_mask=MASK, labels=IDS)
+    out = model(input_ids=IDS, attention_mask=MASK, labels=IDS, use_cache=False)  # a training forward: no KV cache
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), out.logits.detach(), grads
@@ -54,7 +54,7 @@ def assert_same(expected, actual, label, kind="fp32"):
 
 
 def counting(monkeypatch, name):
-    """Count the calls of fast_lora's `name` (lora_mlp or lora_linear)."""
+    """Count the calls of fast_lora's `name` (lora_mlp, lora_linear or rope)."""
     calls = []
     original = getattr(fast_lora, name)
     monkeypatch.setattr(fast_lora, name, lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -68,8 +68,9 @@ def test_loss_logits_and_lora_grads_equal_with_fast_lora_on_and_off(arch, monkey
     assert describe_fast_lora(model) == SWITCHED and is_fast_lora(model)
     assert enable_fast_lora(model) == 0  # idempotent
     mlp_calls, linear_calls = counting(monkeypatch, "lora_mlp"), counting(monkeypatch, "lora_linear")
+    rope_calls = counting(monkeypatch, "rope")
     fast = loss_and_grads(model)
-    assert (len(mlp_calls), len(linear_calls)) == (2, 8)  # the fused Functions ran, not peft's forward
+    assert (len(mlp_calls), len(linear_calls), len(rope_calls)) == (2, 8, 2)  # the fused Functions ran
     assert all(n.endswith("lora_A.default.weight") or n.endswith("lora_B.default.weight") for n in fast[2])
     assert_same(reference, fast, "fast LoRA")
 
@@ -100,7 +101,7 @@ def test_disable_adapter_falls_back_to_the_base_model_and_disable_restores_peft(
     with torch.no_grad(), model.disable_adapter():  # TRL's reference pass on a peft policy
         assert_close(model(input_ids=IDS, attention_mask=MASK).logits, base_logits, name="adapter disabled")
     assert disable_fast_lora(model) == sum(SWITCHED.values())
-    assert not is_fast_lora(model) and describe_fast_lora(model) == {"mlp": 0, "linear": 0, "norm": 0}
+    assert not is_fast_lora(model) and describe_fast_lora(model) == dict.fromkeys(SWITCHED, 0)
     assert not any("forward" in vars(m) for m in model.modules())  # no instance forward left behind
     assert_same(with_lora, loss_and_grads(model), "after disable_fast_lora", kind="exact")
 
@@ -108,7 +109,7 @@ def test_disable_adapter_falls_back_to_the_base_model_and_disable_restores_peft(
 def test_what_cannot_be_fused_keeps_peft_forward_and_says_why(caplog):
     model = lora_model(dropout=0.1)
     with caplog.at_level("DEBUG", logger="slimrl.models.fast_lora"):
-        switched = enable_fast_lora(model, norms=False)
+        switched = enable_fast_lora(model, norms=False, attention=False)
     assert switched == 0 and describe_fast_lora(model)["linear"] == 0
     assert "lora_dropout > 0" in caplog.text and "self_attn.q_proj keeps peft's forward" in caplog.text
     # only some MLP projections targeted: the MLP stays unfused, its LoRA projections and the attention's are fused
@@ -116,7 +117,7 @@ def test_what_cannot_be_fused_keeps_peft_forward_and_says_why(caplog):
     reference = loss_and_grads(partial)
     with caplog.at_level("DEBUG", logger="slimrl.models.fast_lora"):
         enable_fast_lora(partial)
-    assert describe_fast_lora(partial) == {"mlp": 0, "linear": 8, "norm": 4}
+    assert describe_fast_lora(partial) == {"mlp": 0, "linear": 8, "norm": 4, "attention": 2}
     assert "mlp stays unfused: down_proj: not a peft LoRA layer" in caplog.text
     assert_same(reference, loss_and_grads(partial), "partly fused")
 
@@ -187,3 +188,13 @@ def test_4bit_base_on_cuda(tmp_path):
         IDS, MASK = ids, mask
     assert describe_fast_lora(model) == SWITCHED
     assert_same(reference, fast, "4-bit base on CUDA", kind="fp32_sum")
+
+
+def test_disable_one_kind_only():
+    model = lora_model()
+    enable_fast_lora(model)
+    assert disable_fast_lora(model, kind="attention") == 2
+    assert describe_fast_lora(model) == {**SWITCHED, "attention": 0}
+    with pytest.raises(ValueError, match="kind must be one of"):
+        disable_fast_lora(model, kind="rope")
+    assert enable_fast_lora(model) == 2  # only the attention blocks again

@@ -5,7 +5,10 @@ forward that runs
 - the MLP (gate, up, down all LoRA) as `ops.lora_mlp.lora_mlp`: one Function, the gated product in a Triton kernel;
 - each attention projection (q, k, v, o) and any LoRA projection of an MLP that cannot be fused as
   `ops.lora_linear.lora_linear`;
-- the two RMSNorms through `ops.kernels.rms_norm` where the kernels run (CUDA, or Triton's interpreter).
+- the two RMSNorms through `ops.kernels.rms_norm` where the kernels run (CUDA, or Triton's interpreter);
+- the attention block (Llama, Qwen2, Qwen3, Mistral) as transformers writes it, but with the rotary embedding of q
+  and k in one Triton launch each way (`ops.rope.rope`, eager's bits) instead of eager's ten element-wise kernels.
+  A call with a KV cache (generation) takes the model's own forward.
 `disable_fast_lora(model)` removes those forwards again. Nothing is kept between calls: each call reads the adapter,
 scale and base weight from the peft layer, so chunked steps, MLP tiles and the offloaded checkpoints' recompute
 (`ops.fused.mlp_forward` and `norm_forward` call a switched module's own forward) compute what a plain call does.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import types
 
 import torch
@@ -33,6 +37,7 @@ from slimrl.ops import kernels
 from slimrl.ops.fused import FUSED_FORWARD, fusable_norm
 from slimrl.ops.lora_linear import LoRAProjection, lora_linear
 from slimrl.ops.lora_mlp import lora_mlp
+from slimrl.ops.rope import rope
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +46,21 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# attention modules whose forward `_fast_attention_forward` reproduces, and where each takes its sliding window from
+# (None: it passes none; "module": self.sliding_window; "config": config.sliding_window)
+SLIDING_WINDOW = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Attention": "module",
+                  "Qwen3Attention": "module"}  # fmt: skip
 
 
-def enable_fast_lora(model, norms: bool = True) -> int:
+# what `describe_fast_lora` counts: each kind's fused forward (defined below)
+FORWARDS = {"mlp": "_fast_mlp_forward", "linear": "_fast_linear_forward", "norm": "_fast_norm_forward",
+            "attention": "_fast_attention_forward"}  # fmt: skip
+
+
+def enable_fast_lora(model, norms: bool = True, attention: bool = True) -> int:
     """Switch the supported modules of `model` (a peft model, or the transformers model inside one) to the fused
-    Functions; `norms=False` leaves the RMSNorms as they are. Returns how many modules were switched; calling it
-    again switches only what is not yet switched."""
+    Functions; `norms=False` leaves the RMSNorms as they are, `attention=False` the attention blocks (their rotary
+    embedding). Returns how many modules were switched; calling it again switches only what is not yet switched."""
     switched = 0
     for name, layer in model.named_modules():
         if type(layer).__name__ not in SUPPORTED_LAYERS:
@@ -54,39 +68,47 @@ def enable_fast_lora(model, norms: bool = True) -> int:
                 logger.debug("fast LoRA: %s (%s) keeps peft's forward: not a supported decoder layer (%s)", name,
                              type(layer).__name__, ", ".join(SUPPORTED_LAYERS))  # fmt: skip
             continue
-        switched += _switch_layer(name, layer, norms)
+        switched += _switch_layer(name, layer, norms, attention)
     return switched
 
 
-def disable_fast_lora(model) -> int:
-    """Give every switched module its previous forward back; returns how many."""
+def disable_fast_lora(model, kind: str | None = None) -> int:
+    """Give every switched module (or only those of `kind`: "mlp", "linear", "norm", "attention", as
+    `describe_fast_lora` names them) its previous forward back; returns how many."""
+    if kind is not None and kind not in FORWARDS:
+        raise ValueError(f"kind must be one of {', '.join(FORWARDS)} or None, got {kind!r}")
     restored = 0
     for module in model.modules():
-        if FUSED_FORWARD in vars(module):
-            inner = vars(module).pop(FUSED_FORWARD)
-            del module.forward
-            if inner is not None:  # an instance forward that was there before ours
-                module.forward = inner
-            restored += 1
+        if FUSED_FORWARD not in vars(module) or (kind is not None and _kind_of(module) != kind):
+            continue
+        inner = vars(module).pop(FUSED_FORWARD)
+        del module.forward
+        if inner is not None:  # an instance forward that was there before ours
+            module.forward = inner
+        restored += 1
     return restored
 
 
 def describe_fast_lora(model) -> dict[str, int]:
-    """How many modules run which fused forward: {"mlp": n, "linear": n, "norm": n}."""
-    counts = {"mlp": 0, "linear": 0, "norm": 0}
+    """How many modules run which fused forward: {"mlp": n, "linear": n, "norm": n, "attention": n}."""
+    counts = dict.fromkeys(FORWARDS, 0)
     for module in model.modules():
-        forward = getattr(vars(module).get("forward"), "__func__", None)
-        for kind, function in (("mlp", _fast_mlp_forward), ("linear", _fast_linear_forward),
-                               ("norm", _fast_norm_forward)):  # fmt: skip
-            counts[kind] += forward is function
+        kind = _kind_of(module)
+        if kind is not None:
+            counts[kind] += 1
     return counts
+
+
+def _kind_of(module) -> str | None:
+    forward = getattr(vars(module).get("forward"), "__func__", None)
+    return next((kind for kind, name in FORWARDS.items() if forward is globals()[name]), None)
 
 
 def is_fast_lora(model) -> bool:
     return any(FUSED_FORWARD in vars(module) for module in model.modules())
 
 
-def _switch_layer(name: str, layer, norms: bool) -> int:
+def _switch_layer(name: str, layer, norms: bool, attention: bool) -> int:
     switched = 0
     mlp = getattr(layer, "mlp", None)
     reason = _mlp_reason(mlp)
@@ -108,6 +130,12 @@ def _switch_layer(name: str, layer, norms: bool) -> int:
         norm = getattr(layer, attr, None)
         if norm is not None and fusable_norm(norm) and not hasattr(norm, "_hf_hook"):
             switched += _install(norm, _fast_norm_forward)
+    attn = getattr(layer, "self_attn", None)
+    reason = _attention_reason(attn) if attention else None
+    if attention and reason is None:
+        switched += _install(attn, _fast_attention_forward)
+    elif attention:
+        logger.debug("fast LoRA: %s.self_attn keeps its forward: %s", name, reason)
     return switched
 
 
@@ -207,3 +235,53 @@ def _fast_norm_forward(norm, hidden_states: torch.Tensor) -> torch.Tensor:
     from slimrl.ops.kernels.rms_norm import rms_norm
 
     return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+
+
+def _attention_reason(attn) -> str | None:
+    """Why this attention block keeps its own forward (None: `_fast_attention_forward` reproduces it)."""
+    kind = type(attn).__name__
+    if kind not in SLIDING_WINDOW:
+        return f"{kind} (reproduced: {', '.join(SLIDING_WINDOW)})"
+    if hasattr(attn, "_hf_hook"):
+        return "it carries an accelerate hook (device placement) that the fused forward would skip"
+    missing = [a for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "attention_dropout")
+               if not hasattr(attn, a)]  # fmt: skip
+    if missing:
+        return f"it lacks {', '.join(missing)} (another transformers version?)"
+    if not hasattr(_attention_functions(), "get_interface"):
+        return "this transformers has no ALL_ATTENTION_FUNCTIONS.get_interface"
+    return None
+
+
+def _attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _fast_attention_forward(attn, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, *args,
+                            **kwargs):  # fmt: skip
+    """The attention block as transformers' Llama/Qwen2/Qwen3/Mistral forward computes it (projections, Qwen3's
+    q/k norms, rotary embedding, the configured attention function, o_proj), with `ops.rope.rope` for the rotary
+    step; the block's own forward for a call with a KV cache or arguments it does not know."""
+    cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    if args or cached or position_embeddings is None:
+        return _previous_forward(attn)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("cache", "past_key_values")}
+    shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
+    query, key = attn.q_proj(hidden_states).view(shape), attn.k_proj(hidden_states).view(shape)
+    value = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
+        query, key = attn.q_norm(query), attn.k_norm(key)
+    query, key = rope(query, key, *position_embeddings)
+    where = SLIDING_WINDOW[type(attn).__name__]
+    if where is not None:
+        kwargs["sliding_window"] = attn.sliding_window if where == "module" else getattr(attn.config,
+                                                                                          "sliding_window", None)
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+    interface = _attention_functions().get_interface(attn.config._attn_implementation, eager)
+    out, weights = interface(attn, query.transpose(1, 2), key.transpose(1, 2), value, attention_mask,
+                             dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                             **kwargs)  # fmt: skip
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return attn.o_proj(out), weights
