@@ -228,6 +228,25 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
+def timed_iterations(iteration, repeats: int = 1) -> tuple[float, list[float], object]:
+    """Run `iteration()` (one training phase: compute_loss + backward) once untimed, then `repeats` times timed, each
+    from a synchronised start with the peak-memory counter reset; returns (median seconds, every timed iteration's
+    seconds, the last iteration's result). repeats=1 is the "second of two iterations" the W1 figures always used."""
+    import statistics
+
+    import torch
+
+    times, result = [], None
+    for index in range(1 + max(repeats, 1)):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = sync_time()
+        result = iteration()
+        if index:
+            times.append(round(sync_time() - start, 4))
+    return statistics.median(times), times, result
+
+
 @contextlib.contextmanager
 def timed_calls(owner, name: str) -> Iterator[list[float]]:
     """`owner.name` (a module's function, or an attribute of any object) wrapped for the duration of the block: each

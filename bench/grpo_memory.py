@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # a test loads this file by path
 import torch  # noqa: E402
-from common import W1_VOCAB, model_for, sync_time, w1_model  # noqa: E402
+from common import W1_VOCAB, model_for, timed_iterations, w1_model  # noqa: E402
 
 B, P = 8, 256
 CONTEXT = 140000  # the model's max_position_embeddings: room for 131072 completion tokens behind the prompt
@@ -111,21 +111,23 @@ def step_attention(trainer, cudnn_sdpa: str):
     return contextlib.nullcontext()
 
 
-def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer") -> dict:
+def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer", repeats: int = 1) -> dict:
     model = trainer.model
     inputs = make_inputs(length, model.config.vocab_size)
     result = {}
     if beta:
         inputs["ref_per_token_logps"], result["ref_pass_peak_GiB"] = reference_logps(trainer, inputs)
-    for _ in range(2):
+
+    def iteration():
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = sync_time()
         with step_attention(trainer, cudnn_sdpa):
             loss = trainer.compute_loss(model, dict(inputs))
             loss.backward()
-        seconds = sync_time() - start
+        return loss
+
+    seconds, every, loss = timed_iterations(iteration, repeats)
+    if repeats > 1:
+        result["s_each"] = every
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
     result.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), s=round(seconds, 3),
                   loss=loss.item(), grad_norm=torch.stack(grads).sum().sqrt().item(),
@@ -146,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tag", default="")
     parser.add_argument("--model", default="w1", choices=("w1", "llama8b"), help="W1's shape or Llama-3.1-8B's")
     parser.add_argument("--unsloth-site", default=None, help="a folder with Unsloth installed: adds it as a side")
+    parser.add_argument("--repeats", type=int, default=1, help="timed iterations after one untimed, median reported "
+                        "(every side; 1: the second of two iterations, as the earlier W1 figures)")  # fmt: skip
     parser.add_argument("--cudnn-sdpa", choices=("as-trainer", "allow"), default="as-trainer",
                         help="as-trainer: slimrl's step runs with cuDNN's SDPA off, as its training_step does; allow: "
                         "leave torch's choice (how the figures before the cuDNN NaN fix were measured)")  # fmt: skip
@@ -195,7 +199,7 @@ def run_lengths(kind: str, variant: dict | None, model, args, report: dict, path
             report["results"][key] = "skipped (beyond 80 GB in the anchor)"
             continue
         try:
-            report["results"][key] = measure(trainer, length, args.beta, args.cudnn_sdpa)
+            report["results"][key] = measure(trainer, length, args.beta, args.cudnn_sdpa, args.repeats)
         except torch.OutOfMemoryError:
             report["results"][key] = "OOM"
         gc.collect()
@@ -246,7 +250,7 @@ def run_unsloth(model, args, report: dict, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.unsloth_site, str(HERE)]),
                UNSLOTH_DISABLE_STATISTICS="1", HF_HUB_OFFLINE="1")  # fmt: skip
     command = [sys.executable, str(HERE / "unsloth_side.py"), str(model_dir), str(side_json),
-               *map(str, args.lengths)]  # fmt: skip
+               f"--repeats={args.repeats}", *map(str, args.lengths)]  # fmt: skip
     finished = subprocess.run(command, env=env, check=False)
     if not side_json.exists():
         report["results"]["unsloth"] = f"failed (exit {finished.returncode}; see the run's log)"

@@ -9,7 +9,7 @@ as HF Trainer's loop enables it. Its LoRA is its own initialisation (random_stat
 comparable with the other sides'; its loss is (with beta 0 and no old log-probs, the loss depends only on the
 advantages and the masks).
 
-    PYTHONPATH=<unsloth site>:bench python bench/unsloth_side.py MODEL_DIR OUT.json 1024 4096 ...
+    PYTHONPATH=<unsloth site>:bench python bench/unsloth_side.py MODEL_DIR OUT.json [--repeats=N] 1024 4096 ...
 
 `save_model` (called by grpo_memory.py, in its process) writes MODEL_DIR: the base weights without the LoRA, the
 config, and a word-level tokenizer over the model's whole vocabulary.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,29 +79,32 @@ def unsloth_trainer(model_dir: str, max_length: int):
     return trainer
 
 
-def measure(trainer, length: int, vocab: int) -> dict:
+def measure(trainer, length: int, vocab: int, repeats: int = 1) -> dict:
     import torch
+    from common import timed_iterations
     from grpo_memory import make_inputs
 
     model = trainer.model
     inputs = make_inputs(length, vocab)
     inputs["ref_per_token_logps"] = None
-    for _ in range(2):
+
+    def iteration():
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
         loss = trainer.compute_loss(model, dict(inputs))
         loss.backward()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        return loss
+
+    seconds, every, loss = timed_iterations(iteration, repeats)
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
-    return {"peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "s": round(seconds, 3),
-            "loss": loss.item(), "grad_norm": torch.stack(grads).sum().sqrt().item()}  # fmt: skip
+    result = {"peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "s": round(seconds, 3),
+              "loss": loss.item(), "grad_norm": torch.stack(grads).sum().sqrt().item()}  # fmt: skip
+    return {**result, "s_each": every} if repeats > 1 else result
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    repeats = int(next((a.split("=", 1)[1] for a in argv if a.startswith("--repeats=")), 1))
+    argv = [a for a in argv if not a.startswith("--repeats=")]
     model_dir, out, lengths = argv[0], Path(argv[1]), [int(x) for x in argv[2:]]
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,7 +118,7 @@ def main(argv=None) -> None:
     vocab = trainer.model.config.vocab_size
     for length in lengths:
         try:
-            report["results"][f"unsloth_L{length}"] = measure(trainer, length, vocab)
+            report["results"][f"unsloth_L{length}"] = measure(trainer, length, vocab, repeats)
         except torch.OutOfMemoryError:
             report["results"][f"unsloth_L{length}"] = "OOM"
         trainer.model.zero_grad(set_to_none=True)

@@ -48,3 +48,14 @@ def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
     assert runs[1][1] == {"num_chunks": "auto", "mlp_tile_tokens": 8192, "offload_checkpoints": True,
                           "fast_lora": True, "attention": False}  # fmt: skip
     assert runs[2][1]["fast_lora"] is False and "fast_lora" not in runs[3][1]
+
+
+def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from common import timed_iterations
+
+    calls = []
+    seconds, every, last = timed_iterations(lambda: calls.append(1) or len(calls), repeats=3)
+    assert len(calls) == 4 and last == 4 and len(every) == 3 and seconds == sorted(every)[1]

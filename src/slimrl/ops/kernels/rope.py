@@ -19,6 +19,8 @@ in q's dtype. Outputs are new contiguous tensors of q's and k's shapes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,28 @@ import triton.language as tl
 from slimrl.ops.kernels.rounding import round_to
 
 ROWS_PER_PROGRAM = 4  # token rows per program: each row is all heads of one token (a few KB)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _kept(product, X: tl.constexpr):
+    """A product rounded to X as eager rounds it, in a form the compiler keeps: on the GPU the fp32 product is
+    formed with `mul.rn` (never contracted into an FMA with the sum it feeds, which fp32 would otherwise get) and a
+    bf16 rounding is done on the bits (a cast pair to bf16 and back was seen optimised away: 25% of the outputs were
+    one ulp off eager's)."""
+    if X == tl.bfloat16:
+        bits = product.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return round_to(product, X)
+
+
+@triton.jit
+def _mul(a, b):
+    if _INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -53,8 +77,8 @@ def _rotate_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, first, rows, tokens, heads, s
         else:
             s_first = -tl.load(sin_ptr + trig, mask=(d < HALF) & live, other=0.0).to(tl.float32)
             s_second = tl.load(sin_ptr + trig + HALF, mask=(d < HALF) & live, other=0.0).to(tl.float32)
-        out1 = round_to(round_to(x1 * c1, X) + round_to(x2 * s_first, X), X)
-        out2 = round_to(round_to(x2 * c2, X) + round_to(x1 * s_second, X), X)
+        out1 = _kept(_kept(_mul(x1, c1), X) + _kept(_mul(x2, s_first), X), X)
+        out2 = _kept(_kept(_mul(x2, c2), X) + _kept(_mul(x1, s_second), X), X)
         dst = row.to(tl.int64) * heads * (2 * HALF) + h * (2 * HALF) + d
         tl.store(out_ptr + dst, out1.to(X), mask=ok & live)
         tl.store(out_ptr + dst + HALF, out2.to(X), mask=ok & live)
