@@ -191,8 +191,14 @@ def w1_cell(side: dict) -> str:
     return f"{gib(side['peak_GiB'])} / {side['s']:.3f}"
 
 
+# what a W1 source's slimrl variant (`results.slimrl[<spec>]_L<length>.s`) left out, for the README's note
+W1_VARIANTS = {"auto/8192/1/0": "without fast LoRA",
+               "auto/8192/1/noattn": "with fast LoRA but the model's own attention block (eager rotary embedding)"}
+TABLE_SOURCES = ("short", "slimrl_long", "slimrl_131072")  # the others feed the notes
+
+
 def render_w1(b: dict[str, Source]) -> str:
-    rows = by_length(*(src for src in b.values() if any(BY_LENGTH.match(path) for path in src.fields)))
+    rows = by_length(*(b[name] for name in TABLE_SOURCES))
     longest = max(length for length, row in rows.items() if "trl" in row)
     short = b["short"]
     lines = [f"| completion length | TRL {short.get('versions.trl')} peak / s per step | Unsloth "
@@ -206,22 +212,45 @@ def render_w1(b: dict[str, Source]) -> str:
         lines.append(f"| {length:,} | {trl} | {unsloth} | {w1_cell(row['slimrl'])} | {ratio} |")
     both = [row for row in rows.values() if "trl" in row]
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
-    unfused = {length: short.get(f"results.slimrl[auto/8192/1/0]_L{length}.s") for length, row in rows.items()
+    spec = next(p.split("[", 1)[1].split("]", 1)[0] for p in short.fields if p.startswith("results.slimrl["))
+    variant = {length: short.get(f"results.slimrl[{spec}]_L{length}.s") for length, row in rows.items()
                if short in row["sources"]}  # fmt: skip
-    after, before = b["w3_after"], b["w3_before"]
-    measured = "sides.slimrl.mean_after_first."
     note = (
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The "
-        f"rows up to {max(unfused):,} tokens ran in one run, slimrl with fast LoRA (its default on CUDA); without it "
-        f"the same run took {', '.join(f'{s:.3f}' for s in unfused.values())} s. The longer rows are from before "
-        f"fast LoRA. W3's training phase at N = {after.get('world_size')} "
-        f"({after.get('settings.num_generations')} completions of {after.get('settings.completion_length'):,} "
-        f"tokens): {after.get(measured + 'training_s'):.3f} s and {gib(after.get(measured + 'peak_GiB'))} "
-        f"({after.label}, `{after.file}`), against {before.get(measured + 'training_s'):.3f} s and "
-        f"{gib(before.get(measured + 'peak_GiB'))} before it ({before.label}, `{before.file}`).")
+        f"rows up to {max(variant):,} tokens ran in one run, one timed iteration each, slimrl with fast LoRA (its "
+        f"default on CUDA); {W1_VARIANTS[spec]} the same run took {', '.join(f'{s:.3f}' for s in variant.values())} "
+        f"s. The longer rows are from before fast LoRA. {w1_repeats_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
     return "\n".join(lines) + f"\n\n{provenance(*dict.fromkeys(sources))}\n\n{note}"
+
+
+def w1_repeats_note(b: dict[str, Source]) -> str:
+    """slimrl's iteration-to-iteration spread in a later run of the same code, against TRL's and Unsloth's."""
+    mine, theirs, trl = b["repeats"], b["repeats_unsloth"], b["repeats"]
+    lengths = sorted(int(BY_LENGTH.match(p)[2]) for p in mine.fields if p.startswith("results.slimrl_L") and
+                     p.endswith(".s"))  # fmt: skip
+
+    def spread(src: Source, side: str) -> float:
+        return max(max(e) / min(e) - 1 for e in (src.get(f"results.{side}_L{n}.s_each") for n in lengths))
+
+    ours = ", ".join(f"{mine.get(f'results.slimrl_L{n}.s'):.3f}" for n in lengths)
+    unsloth = ", ".join(f"{theirs.get(f'results.unsloth_L{n}.s'):.3f}" for n in lengths)
+    repeats = len(mine.get(f"results.slimrl_L{lengths[0]}.s_each"))
+    return (f"slimrl's step varies from iteration to iteration by up to {spread(mine, 'slimrl'):.0%} at "
+            f"{lengths[0]:,}-{lengths[-1]:,} tokens (TRL's by {spread(trl, 'trl'):.0%}, Unsloth's by "
+            f"{spread(theirs, 'unsloth'):.0%}): a later run of the same code ({mine.label}, `{mine.file}`, "
+            f"`{theirs.file}`), median of {repeats} iterations, gave slimrl {ours} s against Unsloth's {unsloth} s.")
+
+
+def w3_training_note(b: dict[str, Source]) -> str:
+    after, before = b["w3_after"], b["w3_before"]
+    measured = "sides.slimrl.mean_after_first."
+    return (f"W3's training phase at N = {after.get('world_size')} "
+            f"({after.get('settings.num_generations')} completions of {after.get('settings.completion_length'):,} "
+            f"tokens): {after.get(measured + 'training_s'):.3f} s and {gib(after.get(measured + 'peak_GiB'))} "
+            f"({after.label}, `{after.file}`), against {before.get(measured + 'training_s'):.3f} s and "
+            f"{gib(before.get(measured + 'peak_GiB'))} before it ({before.label}, `{before.file}`).")  # fmt: skip
 
 
 def w3_shape(src: Source) -> str:

@@ -53,7 +53,8 @@ class SlimFields:
         metadata={
             "help": "Run the LoRA projections, gated MLPs and RMSNorms of Llama-family decoder layers through slimrl's "
             "fused functions (the LoRA add and scale inside the base GEMM, gate and up shrunk in one GEMM, the gated "
-            "product and RMSNorm in Triton kernels with hand-derived backward passes). Same math as peft's forward, "
+            "product, RMSNorm and the attention's rotary embedding in Triton kernels with hand-derived backward "
+            "passes). Same math as peft's forward, "
             "rounded in fewer places. None: on for one process or DDP on CUDA (off under FSDP and DeepSpeed, whose "
             "hooks gather weights per module call); True: on wherever it can run; False: peft's forward."
         },
