@@ -228,10 +228,34 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
-def timed_iterations(iteration, repeats: int = 1) -> tuple[float, list[float], object]:
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[list[tuple[int, float]]]:
+    """(generation, seconds) of each of Python's garbage collections inside the block (gc.callbacks)."""
+    import gc
+    import time
+
+    pauses: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def timed_iterations(iteration, repeats: int = 1, gc_ms: list | None = None) -> tuple[float, list[float], object]:
     """Run `iteration()` (one training phase: compute_loss + backward) once untimed, then `repeats` times timed, each
     from a synchronised start with the peak-memory counter reset; returns (median seconds, every timed iteration's
-    seconds, the last iteration's result). repeats=1 is the "second of two iterations" the W1 figures always used."""
+    seconds, the last iteration's result). repeats=1 is the "second of two iterations" the W1 figures always used.
+    `gc_ms`, when given, gets each timed iteration's milliseconds in Python's garbage collector (host time the GPU
+    may or may not hide)."""
     import statistics
 
     import torch
@@ -240,10 +264,14 @@ def timed_iterations(iteration, repeats: int = 1) -> tuple[float, list[float], o
     for index in range(1 + max(repeats, 1)):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        start = sync_time()
-        result = iteration()
+        with gc_pauses() as pauses:
+            start = sync_time()
+            result = iteration()
+            elapsed = sync_time() - start
         if index:
-            times.append(round(sync_time() - start, 4))
+            times.append(round(elapsed, 4))
+            if gc_ms is not None:
+                gc_ms.append(round(1000 * sum(seconds for _, seconds in pauses), 2))
     return statistics.median(times), times, result
 
 

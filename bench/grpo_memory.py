@@ -125,9 +125,10 @@ def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer", r
             loss.backward()
         return loss
 
-    seconds, every, loss = timed_iterations(iteration, repeats)
+    gc_ms: list[float] = []
+    seconds, every, loss = timed_iterations(iteration, repeats, gc_ms)
     if repeats > 1:
-        result["s_each"] = every
+        result["s_each"], result["gc_ms_each"] = every, gc_ms
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
     result.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), s=round(seconds, 3),
                   loss=loss.item(), grad_norm=torch.stack(grads).sum().sqrt().item(),

@@ -94,11 +94,12 @@ def measure(trainer, length: int, vocab: int, repeats: int = 1) -> dict:
         loss.backward()
         return loss
 
-    seconds, every, loss = timed_iterations(iteration, repeats)
+    gc_ms: list[float] = []
+    seconds, every, loss = timed_iterations(iteration, repeats, gc_ms)
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
     result = {"peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "s": round(seconds, 3),
               "loss": loss.item(), "grad_norm": torch.stack(grads).sum().sqrt().item()}  # fmt: skip
-    return {**result, "s_each": every} if repeats > 1 else result
+    return {**result, "s_each": every, "gc_ms_each": gc_ms} if repeats > 1 else result
 
 
 def main(argv=None) -> None:

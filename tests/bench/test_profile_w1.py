@@ -51,11 +51,19 @@ def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
 
 
 def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median():
+    import gc
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from common import timed_iterations
 
-    calls = []
-    seconds, every, last = timed_iterations(lambda: calls.append(1) or len(calls), repeats=3)
+    calls, gc_ms = [], []
+
+    def iteration():
+        calls.append(1)
+        gc.collect()  # one full collection per iteration: each timed one records its pause
+        return len(calls)
+
+    seconds, every, last = timed_iterations(iteration, repeats=3, gc_ms=gc_ms)
     assert len(calls) == 4 and last == 4 and len(every) == 3 and seconds == sorted(every)[1]
+    assert len(gc_ms) == 3 and all(ms > 0 for ms in gc_ms)
