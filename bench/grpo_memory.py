@@ -188,7 +188,7 @@ def run_lengths(kind: str, variant: dict | None, model, args, report: dict, path
         from slimrl.models.fast_lora import disable_fast_lora
 
         disable_fast_lora(model)  # an earlier side's trainer switched the shared model's layers
-    settings = {k: v for k, v in (variant or {}).items() if k != "attention"} if variant is not None else None
+    settings = None if variant is None else {k: v for k, v in variant.items() if k != "attention"}
     trainer = build_trainer("trl" if kind == "trl" else "slimrl", model, max(args.lengths), args.beta, settings)
     if variant is not None and variant.get("attention", True) is False:
         from slimrl.models.fast_lora import disable_fast_lora

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.ops.kernels.rounding import round_to
+from slimrl.ops.kernels.rounding import round_bf16_bits, round_to
 
 ROWS_PER_PROGRAM = 4  # token rows per program: each row is all heads of one token (a few KB)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -38,9 +38,7 @@ def _kept(product, X: tl.constexpr):
     bf16 rounding is done on the bits (a cast pair to bf16 and back was seen optimised away: 25% of the outputs were
     one ulp off eager's)."""
     if X == tl.bfloat16:
-        bits = product.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return round_bf16_bits(product)
     return round_to(product, X)
 
 

@@ -13,10 +13,17 @@ _SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
+def round_bf16_bits(x):
+    """fp32 `x` rounded to bf16 (to nearest, ties to even) on its bits, returned as fp32: integer operations, which
+    neither the interpreter's truncating cast nor the GPU compiler's folding of a cast pair can change."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr):
     """fp32 `x` rounded to `dtype` (to nearest, ties to even) and returned as fp32; a no-op for fp32."""
     if _SOFT_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return round_bf16_bits(x)
     return x.to(dtype).to(tl.float32)
