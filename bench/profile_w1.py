@@ -2,8 +2,13 @@
 times it) under torch.profiler at each length, kernels grouped into families (GEMMs, attention, element-wise, norms,
 copies and offload, the loss's log-softmax), the top kernels by time, and the step's wall time beside the kernels'
 sum (the gap is launch and host time). TRL's step is profiled the same way with --trainers trl,slimrl.
+Where the GPU waits: the step's idle time on the GPU timeline and its largest gaps (the kernels either side), the CUDA
+runtime calls (launches, synchronisations, copies, allocations: count and host ms), and, with --stacks, the Python lines
+that make the host wait for the GPU (one more step under torch's CUDA sync debug mode); with --python a cProfile of one
+more step; with --graph-forward the model's gradient-free forward timed eagerly and as a CUDA graph replay.
 
-    python bench/profile_w1.py $OUT/profile_w1.json 1024 4096 32768 [--trainers slimrl] [--top 25]
+    python bench/profile_w1.py $OUT/profile_w1.json 1024 4096 32768 [--trainers slimrl] [--top 25] [--stacks] [--python]
+        [--graph-forward]
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
-from grpo_memory import build_model, build_trainer, make_inputs, step_attention  # noqa: E402
+from grpo_memory import B, P, build_model, build_trainer, make_inputs, step_attention  # noqa: E402
 
 # First match wins: a kernel's family from its name (cuBLAS/CUTLASS GEMMs, flash/efficient/cuDNN attention, ...)
 FAMILIES = (
@@ -39,7 +44,151 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_step(trainer, length: int, top: int) -> dict:
+def idle_gaps(intervals: list[tuple[float, float, str]], top: int = 10) -> dict:
+    """GPU activities as (start_us, end_us, name): the span, the time no activity runs (overlaps merged), and the `top`
+    largest gaps with the activities either side."""
+    if not intervals:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    ordered = sorted(intervals)
+    gaps, idle = [], 0.0
+    reach, last = ordered[0][1], ordered[0][2]
+    for start, end, name in ordered[1:]:
+        if start > reach:
+            idle += start - reach
+            gaps.append((start - reach, last, name))
+        if end >= reach:
+            reach, last = end, name
+    gaps.sort(key=lambda gap: -gap[0])
+    shown = [{"ms": round(g / 1e3, 3), "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]
+    return {"span_ms": round((reach - ordered[0][0]) / 1e3, 2), "idle_ms": round(idle / 1e3, 2), "gaps": shown}
+
+
+def runtime_calls(calls: list[tuple[str, float]]) -> dict:
+    """(name, host microseconds) of CUDA runtime/driver calls -> {name: {"calls", "ms"}}, most time first."""
+    table: dict[str, list[float]] = {}
+    for name, us in calls:
+        entry = table.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    ranked = sorted(table.items(), key=lambda item: -item[1][1])
+    return {name: {"calls": n, "ms": round(us / 1e3, 2)} for name, (n, us) in ranked}
+
+
+def call_site(stack: list[str]) -> str:
+    """The innermost frames (up to 3, innermost last) of a Python stack that are in slimrl, trl, transformers, peft or
+    the bench."""
+    ours = [re.sub(r"^.*/(slimrl|trl|transformers|peft|bench)/", r"\1/", frame) for frame in stack
+            if re.search(r"slimrl|/trl/|transformers|peft|bench/", frame)]  # fmt: skip
+    return " <- ".join(reversed(ours[-3:])) if ours else (stack[-1] if stack else "?")
+
+
+def sync_sites(step) -> dict:
+    """{call site: count} of the operations that make the host wait for the GPU in one `step()`, from torch's CUDA
+    sync debug mode (each such operation warns; the Python stack at the warning names the line)."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]]
+            site = call_site(frames)
+            sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sorted(sites.items(), key=lambda item: -item[1]))
+
+
+def python_profile(step, top: int = 40) -> dict:
+    """cProfile of one `step()`: the `top` functions by own time and by time including callees (host time only; the
+    GPU runs behind)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    def label(key) -> str:
+        return f"{Path(key[0]).name}:{key[1]} {key[2]}"
+
+    rows = []
+    for key, (_, calls, own, total, callers) in stats.items():
+        named = sorted(callers.items(), key=lambda item: -item[1][1])[:4]
+        rows.append({"function": label(key), "calls": calls, "own_ms": round(own * 1e3, 2),
+                     "total_ms": round(total * 1e3, 2), "callers": {label(c): v[1] for c, v in named}})  # fmt: skip
+    return {"by_own": sorted(rows, key=lambda row: -row["own_ms"])[:top],
+            "by_total": sorted(rows, key=lambda row: -row["total_ms"])[:top]}  # fmt: skip
+
+
+def graph_probe(model, length: int, iterations: int = 5) -> dict:
+    """The model's gradient-free forward (decoder only, W1's batch, no mask, eval mode) timed eagerly and as a CUDA
+    graph replay: how much of the forward's wall time is the host's. The probe is not a training step."""
+    from slimrl.models.unwrap import unwrap_model
+
+    decoder = unwrap_model(model).model
+    ids = torch.randint(10, model.config.vocab_size, (B, P + length), device="cuda")
+    was_training = model.training
+    model.eval()
+
+    def forward():
+        return decoder(input_ids=ids, use_cache=False).last_hidden_state
+
+    def timed(run) -> float:
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return round(start.elapsed_time(end) / iterations, 2)
+
+    result = {}
+    try:
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    forward()
+            torch.cuda.current_stream().wait_stream(side)
+            result["eager_ms"] = timed(forward)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            result["graph_ms"] = timed(graph.replay)
+            del graph
+    except RuntimeError as error:  # a capture the forward does not allow: reported, not hidden
+        result["error"] = str(error).splitlines()[0][:300]
+    finally:
+        model.train(was_training)
+        torch.cuda.empty_cache()
+    return result
+
+
+def host_view(events) -> dict:
+    """The GPU's idle gaps and the CUDA runtime calls of a profiled step."""
+    device = [(e.time_range.start, e.time_range.end, e.name) for e in events
+              if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    calls = [(e.name, e.time_range.end - e.time_range.start) for e in events
+             if e.device_type == torch.autograd.DeviceType.CPU and re.match(r"cu[A-Z]|cuda", e.name)]  # fmt: skip
+    return {"gpu": idle_gaps(device), "runtime": runtime_calls(calls)}
+
+
+def profile_step(trainer, length: int, top: int, stacks: bool = False, python: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model = trainer.model
@@ -69,13 +218,19 @@ def profile_step(trainer, length: int, top: int) -> dict:
         by_family[family(name)] = by_family.get(family(name), 0.0) + sum(times)
     ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
     kernel_ms = sum(by_family.values())
-    return {
+    result = {
         "step_ms": round(start.elapsed_time(end), 2),
         "kernel_ms": round(kernel_ms, 2),
         "families_ms": {k: round(v, 2) for k, v in sorted(by_family.items(), key=lambda item: -item[1])},
         "top": [{"name": name[:160], "family": family(name), "ms": round(sum(times), 2), "calls": len(times)}
                 for name, times in ranked],  # fmt: skip
+        "host": host_view(prof.events()),
     }
+    if stacks:
+        result["sync_sites"] = sync_sites(step)
+    if python:
+        result["python"] = python_profile(step, top)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -84,6 +239,10 @@ def main(argv=None) -> dict:
     parser.add_argument("lengths", nargs="+", type=int)
     parser.add_argument("--trainers", default="slimrl")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--stacks", action="store_true", help="a second step with Python stacks: where syncs are made")
+    parser.add_argument("--python", action="store_true", help="one more step under cProfile: where the host time goes")
+    parser.add_argument("--graph-forward", action="store_true",
+                        help="also time the gradient-free forward eagerly and as a CUDA graph replay")  # fmt: skip
     args = parser.parse_args(argv)
     report = {"workload": "W1 training phase, profiled", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "results": {}}  # fmt: skip
@@ -91,10 +250,14 @@ def main(argv=None) -> dict:
     for kind in args.trainers.split(","):
         trainer = build_trainer(kind, model, max(args.lengths), 0.0)
         for length in args.lengths:
-            result = profile_step(trainer, length, args.top)
+            result = profile_step(trainer, length, args.top, args.stacks, args.python)
+            if args.graph_forward:
+                result["graph_forward"] = graph_probe(trainer.model, length)
             report["results"][f"{kind}_L{length}"] = result
-            print(json.dumps({f"{kind}_L{length}": {k: result[k] for k in ("step_ms", "kernel_ms", "families_ms")}}),
-                  flush=True)  # fmt: skip
+            shown = {k: result[k] for k in ("step_ms", "kernel_ms", "families_ms", "sync_sites") if k in result}
+            shown["idle_ms"] = result["host"]["gpu"]["idle_ms"]
+            shown["graph_forward"] = result.get("graph_forward")
+            print(json.dumps({f"{kind}_L{length}": shown}), flush=True)
             Path(args.out).write_text(json.dumps(report, indent=2))
         del trainer
         torch.cuda.empty_cache()

@@ -220,7 +220,7 @@ def render_w1(b: dict[str, Source]) -> str:
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The "
         f"rows up to {max(variant):,} tokens ran in one run, one timed iteration each, slimrl with fast LoRA (its "
         f"default on CUDA); {W1_VARIANTS[spec]} the same run took {', '.join(f'{s:.3f}' for s in variant.values())} "
-        f"s. The longer rows are from before fast LoRA. {w1_repeats_note(b)} {w3_training_note(b)}")
+        f"s. The longer rows are from before fast LoRA. {w1_repeats_note(b)} {w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
     return "\n".join(lines) + f"\n\n{provenance(*dict.fromkeys(sources))}\n\n{note}"
 
@@ -241,6 +241,19 @@ def w1_repeats_note(b: dict[str, Source]) -> str:
             f"{lengths[0]:,}-{lengths[-1]:,} tokens (TRL's by {spread(trl, 'trl'):.0%}, Unsloth's by "
             f"{spread(theirs, 'unsloth'):.0%}): a later run of the same code ({mine.label}, `{mine.file}`, "
             f"`{theirs.file}`), median of {repeats} iterations, gave slimrl {ours} s against Unsloth's {unsloth} s.")
+
+
+def w1_host_note(b: dict[str, Source]) -> str:
+    """Why the short steps spread: the host, measured by a profile and by the same code in two processes."""
+    profile, alone, next_call = b["host_profile"], b["host_alone"], b["host_next_call"]
+    field = "results.slimrl_L1024."
+
+    def run(src: Source) -> str:
+        return f"{src.get(field + 's'):.3f} s (spread {span(src.get(field + 's_each'), lambda x: f'{x:.3f}')})"
+
+    return (f"At 1,024 tokens the step is host-bound: its kernels take {profile.get(field + 'kernel_ms'):.1f} ms of "
+            f"GPU time ({profile.label}, `{profile.file}`), and the same code's median was {run(alone)} in one "
+            f"run and {run(next_call)} in another, on a machine of the same kind (`{alone.file}`, `{next_call.file}`).")
 
 
 def w3_training_note(b: dict[str, Source]) -> str:

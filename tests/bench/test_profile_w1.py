@@ -67,3 +67,27 @@ def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median
     seconds, every, last = timed_iterations(iteration, repeats=3, gc_ms=gc_ms)
     assert len(calls) == 4 and last == 4 and len(every) == 3 and seconds == sorted(every)[1]
     assert len(gc_ms) == 3 and all(ms > 0 for ms in gc_ms)
+
+
+def test_idle_gaps_merge_overlaps_and_rank_the_gaps():
+    module = load()
+    view = module.idle_gaps([(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (30, 31, "d"), (131, 140, "e")], top=2)
+    assert view["span_ms"] == 0.14 and view["idle_ms"] == round((8 + 100) / 1e3, 2)
+    assert view["gaps"] == [{"ms": 0.1, "after": "d", "before": "e"}, {"ms": 0.008, "after": "b", "before": "c"}]
+    assert module.idle_gaps([]) == {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+
+
+def test_runtime_calls_count_and_rank_by_host_time():
+    calls = [("cudaLaunchKernel", 5.0), ("cudaStreamSynchronize", 900.0), ("cudaLaunchKernel", 7.0)]
+    table = load().runtime_calls(calls)
+    assert list(table) == ["cudaStreamSynchronize", "cudaLaunchKernel"]
+    assert table["cudaLaunchKernel"] == {"calls": 2, "ms": 0.01}
+
+
+def test_call_site_keeps_the_innermost_frames_of_ours():
+    stack = ["runpy.py:1 main", "/b/bench/grpo_memory.py:9 iteration", "/x/slimrl/trainers/grpo/step.py:42 loss",
+             "/x/slimrl/ops/loss.py:7 nll", "/t/torch/_tensor.py:10 item"]  # fmt: skip
+    module = load()
+    assert module.call_site(stack) == ("slimrl/ops/loss.py:7 nll <- slimrl/trainers/grpo/step.py:42 loss"
+                                       " <- bench/grpo_memory.py:9 iteration")  # fmt: skip
+    assert module.call_site(["a.py:1 f"]) == "a.py:1 f" and module.call_site([]) == "?"
