@@ -39,6 +39,17 @@ def allow_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = init
 
 
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed's CPU accelerator compiles its shared-memory all-reduce (the `deepspeed_shm_comm` extension: about
+    three minutes of the 2-core CI machine, every run, as CI starts without a build cache) when its communication
+    backend starts. Only `inference_all_reduce`, DeepSpeed inference's tensor parallelism, uses it; ZeRO-3's training
+    collectives go through torch.distributed either way (and without it so does that one)."""
+    import importlib
+
+    # by module name: the attribute `deepspeed.comm.torch` is the torch package (deepspeed.comm re-exports it)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def full_tiny_model():
     """The tiny Llama without an adapter, the same weights each call."""
     import torch
@@ -83,6 +94,7 @@ if __name__ == "__main__":
         allow_fsdp_on_cpu()
         config = dict(FSDP2)
     else:
+        skip_deepspeed_shm_build()
         config = dict(deepspeed=ZERO3)
     config["gradient_accumulation_steps"] = 2  # the chunked step inside an accumulation (DeepSpeed's boundary)
     logs = {

@@ -125,7 +125,7 @@ def test_attention_forward_equals_the_blocks_own(arch, dtype, monkeypatch):
     otherwise), one with the attention block switched: equal logits and LoRA gradients, bit for bit."""
     from slimrl.ops.kernels import rope as rope_kernels
 
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 13, 14, 15, 16, 17, 18, 19]])
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 13, 14, 15]])  # odd length, left padding (the interpreter is slow)
     mask = (ids != 0).long()
     plain, fast = tiny(arch, dtype).train(), tiny(arch, dtype).train()
     enable_fast_lora(plain, norms=False, attention=False)
