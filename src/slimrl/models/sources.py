@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,25 +116,67 @@ def announce_embedded(requested: str, source: ModelSource) -> None:
                    gguf_file_type(path) or "quantised (type not recorded in the file)")  # fmt: skip
 
 
-# GGUF metadata value types (by their id in the file): struct formats of the scalars; 8 is a string, 9 an array
+# GGUF metadata value types by their id in the file: the scalars' struct formats; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _read(handle, fmt: str):
+    size = struct.calcsize(fmt)
+    data = handle.read(size)
+    if len(data) != size:
+        raise ValueError("the GGUF header ends early")
+    return struct.unpack(fmt, data)[0]
+
+
+def _skip_value(handle, kind: int) -> None:
+    if kind in _GGUF_SCALARS:
+        handle.seek(struct.calcsize(_GGUF_SCALARS[kind]), os.SEEK_CUR)
+    elif kind == _GGUF_STRING:
+        handle.seek(_read(handle, "<Q"), os.SEEK_CUR)
+    elif kind == _GGUF_ARRAY:
+        inner, count = _read(handle, "<I"), _read(handle, "<Q")
+        if inner in _GGUF_SCALARS:
+            handle.seek(count * struct.calcsize(_GGUF_SCALARS[inner]), os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(handle, inner)
+    else:
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_header_scalar(path: str | os.PathLike, key: str) -> int | float | bool | None:
+    """A scalar of a GGUF file's metadata, read from its header up to that key (what comes after, the tokenizer's
+    vocabulary and the tensors, is not read); None when the file has no such scalar or is not GGUF version 2 or 3."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF" or _read(handle, "<I") not in (2, 3):
+                return None
+            _read(handle, "<Q")  # the tensor count
+            for _ in range(_read(handle, "<Q")):
+                name = handle.read(_read(handle, "<Q"))
+                kind = _read(handle, "<I")
+                if name == key.encode() and kind in _GGUF_SCALARS:
+                    return _read(handle, _GGUF_SCALARS[kind])
+                _skip_value(handle, kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
+
+
 def gguf_file_type(path: str | os.PathLike) -> str | None:
-    """The quantisation a GGUF file declares in `general.file_type` ("Q4_1", "Q8_0", "F16", ...), read with the gguf
-    package (memory-mapped: the tensors are not read); None when the file does not record it or is not GGUF."""
+    """The quantisation a GGUF file declares in `general.file_type` ("Q4_1", "Q8_0", "F16", ...), from its header
+    (the gguf package's reader parses every field, the vocabulary included: seconds for a small model); None when the
+    file does not record it or is not GGUF."""
+    file_type = gguf_header_scalar(path, "general.file_type")
+    if file_type is None:
+        return None
     from slimrl.models.gguf_export import require_gguf
 
-    gguf = require_gguf()
     try:
-        field = gguf.GGUFReader(str(path)).get_field("general.file_type")
-    except (OSError, ValueError):
-        return None
-    if field is None:
-        return None
-    file_type = int(field.contents())
-    try:
-        return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        return require_gguf().LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
-        return f"llama.cpp file type {file_type}"
-
+        return f"llama.cpp file type {int(file_type)}"
 
 
 def cache_dir() -> str:
