@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     parser.add_argument("lengths", nargs="+", type=int)
     parser.add_argument("--trainers", default="slimrl")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--stacks", action="store_true", help="a second step with Python stacks: where syncs are made")
+    parser.add_argument("--stacks", action="store_true", help="one more step in CUDA sync debug mode: who waits")
     parser.add_argument("--python", action="store_true", help="one more step under cProfile: where the host time goes")
     parser.add_argument("--graph-forward", action="store_true",
                         help="also time the gradient-free forward eagerly and as a CUDA graph replay")  # fmt: skip
