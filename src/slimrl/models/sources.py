@@ -148,9 +148,11 @@ def _skip_value(handle, kind: int) -> None:
 def gguf_header_scalar(path: str | os.PathLike, key: str) -> int | float | bool | None:
     """A scalar of a GGUF file's metadata, read from its header up to that key (what comes after, the tokenizer's
     vocabulary and the tensors, is not read); None when the file has no such scalar or is not GGUF version 2 or 3."""
+    from slimrl.models.gguf_export import GGUF_MAGIC
+
     try:
         with open(path, "rb") as handle:
-            if handle.read(4) != b"GGUF" or _read(handle, "<I") not in (2, 3):
+            if handle.read(4) != GGUF_MAGIC or _read(handle, "<I") not in (2, 3):
                 return None
             _read(handle, "<Q")  # the tensor count
             for _ in range(_read(handle, "<Q")):
