@@ -139,14 +139,17 @@ def top_kernels(run, top: int = 6) -> list[list]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    table: dict[str, list] = {}
-    for event in prof.events():
+    ranked = sorted(kernel_times(prof.events()).items(), key=lambda item: -sum(item[1]))[:top]
+    return [[name[:100], round(sum(times), 2), len(times)] for name, times in ranked]
+
+
+def kernel_times(events) -> dict[str, list[float]]:
+    """{kernel name: the ms of each of its launches} of a profile's events."""
+    kernels: dict[str, list[float]] = {}
+    for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = table.setdefault(event.name[:100], [0.0, 0])
-            entry[0] += event.device_time / 1e3
-            entry[1] += 1
-    ranked = sorted(table.items(), key=lambda item: -item[1][0])[:top]
-    return [[name, round(ms, 2), calls] for name, (ms, calls) in ranked]
+            kernels.setdefault(event.name, []).append(event.device_time / 1e3)  # us -> ms
+    return kernels
 
 
 def graph_probe(model, length: int, iterations: int = 5) -> dict:
@@ -228,10 +231,7 @@ def profile_step(trainer, length: int, top: int, stacks: bool = False, python: b
         step()
         end.record()
         torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name, []).append(event.device_time / 1e3)  # us -> ms
+    kernels = kernel_times(prof.events())
     by_family: dict[str, float] = {}
     for name, times in kernels.items():
         by_family[family(name)] = by_family.get(family(name), 0.0) + sum(times)
