@@ -74,11 +74,13 @@ def runtime_calls(calls: list[tuple[str, float]]) -> dict:
     return {name: {"calls": n, "ms": round(us / 1e3, 2)} for name, (n, us) in ranked}
 
 
+OURS = re.compile(r"^.*/(slimrl|trl|transformers|peft|bench)/")  # a frame's file in one of these, and its prefix
+
+
 def call_site(stack: list[str]) -> str:
     """The innermost frames (up to 3, innermost last) of a Python stack that are in slimrl, trl, transformers, peft or
     the bench."""
-    ours = [re.sub(r"^.*/(slimrl|trl|transformers|peft|bench)/", r"\1/", frame) for frame in stack
-            if re.search(r"slimrl|/trl/|transformers|peft|bench/", frame)]  # fmt: skip
+    ours = [OURS.sub(r"\1/", frame) for frame in stack if OURS.match(frame)]
     return " <- ".join(reversed(ours[-3:])) if ours else (stack[-1] if stack else "?")
 
 
