@@ -159,14 +159,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="slimrl settings to compare, e.g. '8/8192/1;8/0/0;auto/8192/1/0' = "
         "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0, 1, or noattn: on but the attention blocks (their "
-        "rotary embedding) left as the model's)]; each is measured as slimrl[variant]",
+        "rotary embedding) left as the model's)][/keep_attention_tokens (0: recompute attention)]; each is measured "
+        "as slimrl[variant]",
     )
     return parser.parse_args(argv)
 
 
 def planned_runs(args) -> list[tuple[str, dict | None]]:
     """(name, slimrl settings or None) per run: the trainers asked for, then each --variants spec."""
-    runs = [(kind, None) for kind in args.trainers.split(",")]  # TRL first: slimrl installs its savers on the model
+    # TRL first: slimrl installs its savers on the model; "" runs the variants alone
+    runs = [(kind, None) for kind in filter(None, args.trainers.split(","))]
     for spec in filter(None, args.variants.split(";")):
         chunks, tile, offload, *fast = spec.split("/")
         variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
@@ -174,6 +176,8 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
         if fast:
             variant["fast_lora"] = fast[0] != "0"
             variant["attention"] = fast[0] != "noattn"
+        if len(fast) > 1:
+            variant["keep_attention_tokens"] = int(fast[1])
         runs.append((f"slimrl[{spec}]", variant))
     return runs
 

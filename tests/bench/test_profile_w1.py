@@ -36,7 +36,8 @@ def test_kernels_fall_into_their_family(name, expected):
 
 
 def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
-    """bench/grpo_memory.py's --variants: the fourth field 0 / 1 / noattn (fast LoRA with eager RoPE)."""
+    """bench/grpo_memory.py's --variants: the fourth field 0 / 1 / noattn (fast LoRA with eager RoPE), the fifth
+    keep_attention_tokens; --trainers "" runs the variants alone."""
     path = Path(__file__).resolve().parents[2] / "bench" / "grpo_memory.py"
     spec = importlib.util.spec_from_file_location("grpo_memory_variants", path)
     module = importlib.util.module_from_spec(spec)
@@ -48,6 +49,10 @@ def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
     assert runs[1][1] == {"num_chunks": "auto", "mlp_tile_tokens": 8192, "offload_checkpoints": True,
                           "fast_lora": True, "attention": False}  # fmt: skip
     assert runs[2][1]["fast_lora"] is False and "fast_lora" not in runs[3][1]
+    args = module.parse_args(["32768", "--trainers", "", "--variants", "auto/8192/1/1/0;auto/8192/1/1/32768"])
+    runs = module.planned_runs(args)
+    assert [name for name, _ in runs] == ["slimrl[auto/8192/1/1/0]", "slimrl[auto/8192/1/1/32768]"]
+    assert [settings["keep_attention_tokens"] for _, settings in runs] == [0, 32768]
 
 
 def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median():

@@ -101,6 +101,8 @@ def test_default_precision_falls_back_to_fp32_without_a_bf16_gpu():
 def test_memory_saver_settings_are_validated():
     with pytest.raises(ValueError, match=r"mlp_tile_tokens must be >= 0"):
         config(mlp_tile_tokens=-1)
+    with pytest.raises(ValueError, match=r"keep_attention_tokens must be >= 0"):
+        config(keep_attention_tokens=-1)
     with pytest.raises(ValueError, match=r"offload_checkpoints=True.*gradient_checkpointing is False"):
         config(offload_checkpoints=True, gradient_checkpointing=False)
     # DDP's static graph fails on the chunked step's no_sync passes (tests/distributed/test_ddp_tiles.py)

@@ -77,6 +77,10 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--gradient-checkpointing", action="store_true",
                       help="checkpoint the decoder layers (on CUDA: slimrl's offloaded checkpoints, the MLP in tiles), "
                       "as a long-context run trains; the 135M model does not need it")  # fmt: skip
+    demo.add_argument("--keep-attention-tokens", type=int, default=defaults.keep_attention_tokens,
+                      help="with --gradient-checkpointing on CUDA: sequences of at least this many tokens keep their "
+                      "attention from the forward instead of recomputing it (GRPOConfig.keep_attention_tokens; 1: "
+                      "every sequence, which runs that path on the demo's short rows)")  # fmt: skip
     demo.add_argument("--teacher-steps", type=int, default=defaults.teacher_steps,
                       help="distillation: the teacher is the model after this many SFT steps (8 correct answers "
                       "each) on a LoRA, merged")  # fmt: skip

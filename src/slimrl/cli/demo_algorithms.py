@@ -49,6 +49,7 @@ def common_config_kwargs(settings, output_dir: Path, device: str) -> dict:
         num_chunks="auto",
         generation_backend=settings.generation_backend,
         on_nonfinite=settings.on_nonfinite,
+        **({} if settings.keep_attention_tokens is None else {"keep_attention_tokens": settings.keep_attention_tokens}),
     )
 
 

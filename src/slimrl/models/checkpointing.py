@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from slimrl.models import attention_store
 from slimrl.models.recompute import (
     SPLIT_LAYER_TYPES,
     Weights,
@@ -60,6 +62,7 @@ class _Stash:
     ready: torch.cuda.Event | None = None
     consumed: bool = False
     rng_state: tuple | None = field(default=None, repr=False)
+    attention: deque | None = None  # the layer call's stored attention (models/attention_store.py), when kept
 
 
 class OffloadState:
@@ -72,8 +75,11 @@ class OffloadState:
     """
 
     def __init__(self, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, min_offload_bytes: int = MIN_OFFLOAD_BYTES,
-                 weights_in_graph: bool = True):  # fmt: skip
+                 weights_in_graph: bool = True, attention_tokens: int = 0):  # fmt: skip
         self.mlp_tile_tokens = mlp_tile_tokens  # MLP tile of the split recompute; 0: the whole sequence at once
+        # Llama-family layers over sequences of at least this many tokens keep their attention's graph from the
+        # forward (its saved tensors parked like the checkpoint), so the recompute skips it; 0: never
+        self.attention_tokens = attention_tokens
         # True: the layer's trainable weights are inputs of the checkpoint node and their gradients come back through
         # it (once per backward pass). False: the recompute accumulates into .grad itself (FSDP, DeepSpeed).
         self.weights_in_graph = weights_in_graph
@@ -82,11 +88,12 @@ class OffloadState:
         self.min_offload_bytes = min_offload_bytes
         self.offloaded = 0  # tensors parked in host memory so far (tests read it to know the copy path ran)
         self.split_recomputes = 0  # layers recomputed attention-then-MLP-tiles so far (tests read it)
+        self.kept_attention = 0  # layer calls whose recompute took the attention stored by their forward
         self.side: dict[torch.device, torch.cuda.Stream] = {}
         self.last: _Stash | None = None
 
     def __deepcopy__(self, memo) -> OffloadState:
-        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes, self.weights_in_graph)
+        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes, self.weights_in_graph, self.attention_tokens)
 
     def checkpoint(self, function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
         """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
@@ -185,9 +192,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         state.last = stash
         ctx.stash = stash
         ctx.split = splittable_layer(function, other_args)
+        if ctx.split is not None and 0 < state.attention_tokens <= hidden_states.shape[-2]:
+            stash.attention = deque()
         with torch.no_grad():
             if ctx.split is not None:
-                return split_forward(state, *ctx.split, hidden_states)
+                with _attention_kept(state, stash.attention, replay=False):
+                    return split_forward(state, *ctx.split, hidden_states)
             return function(hidden_states, *other_args)
 
     @staticmethod
@@ -209,8 +219,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if stash.rng_state is not None:
                 _set_rng_state(hidden_states.device, stash.rng_state)
             if ctx.split is not None:
-                with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
+                with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast), \
+                        _attention_kept(state, stash.attention, replay=True):  # fmt: skip
                     input_grads = [split_backward(state, *ctx.split, hidden_states, output_grads[0], weights)]
+                if stash.previous is not None and not stash.previous.consumed:
+                    # the previous layer's stored attention output, once this layer's tensors are gone (not
+                    # earlier: it would add to this layer's peak); its replay then fetches the rest
+                    attention_store.fetch_outputs(stash.previous.attention)
+                state.kept_attention += stash.attention is not None and len(stash.attention) == 0
+                stash.attention = None
             else:
                 with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast):
                     outputs = ctx.function(hidden_states, *others)
@@ -221,6 +238,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.state = ctx.function = ctx.other_args = ctx.stash = ctx.split = None
         other_grads = input_grads[1:] + [None] * (len(others) + 1 - len(input_grads))
         return (None, None, None, None, input_grads[0], None, *weights.grads(), *other_grads)
+
+
+def _attention_kept(state: OffloadState, records: deque | None, replay: bool):
+    """The block in which the layer's attention is stored (forward) or replayed (recompute), when it is kept."""
+    if records is None:
+        return contextlib.nullcontext()
+    return attention_store.replaying(records) if replay else attention_store.recording(state, records)
 
 
 def _bind(function, kwargs):
@@ -309,23 +333,28 @@ def enable_offloaded_checkpointing(
     *,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     weights_in_graph: bool = True,
+    attention_tokens: int = 0,
 ) -> OffloadState:
     """Checkpoint every decoder layer with offloading to host memory; returns the model's `OffloadState`. Survives
     later `gradient_checkpointing_enable` calls (HF Trainer makes one when `gradient_checkpointing=True`): they
     re-install the offloading function. `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute;
     checkpoints under `min_offload_bytes` stay on the GPU; `weights_in_graph=False` (FSDP, ZeRO-3) lets the recompute
-    accumulate into the weights itself. Calling it again updates the settings."""
+    accumulate into the weights itself; layers over sequences of at least `attention_tokens` tokens (0: none) keep
+    their attention from the forward instead of recomputing it (models/attention_store.py). Calling it again updates
+    the settings."""
     if mlp_tile_tokens < 0:
         raise ValueError(f"mlp_tile_tokens must be >= 0, got {mlp_tile_tokens}")
+    if attention_tokens < 0:
+        raise ValueError(f"attention_tokens must be >= 0, got {attention_tokens}")
     base = hf_model(model)
     state = getattr(base, _STATE, None)
     if state is None:
-        state = OffloadState(mlp_tile_tokens, min_offload_bytes, weights_in_graph)
+        state = OffloadState(mlp_tile_tokens, min_offload_bytes, weights_in_graph, attention_tokens)
         base._slimrl_original_gc_enable = base.gradient_checkpointing_enable
         base.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, base)
         setattr(base, _STATE, state)
-    state.mlp_tile_tokens, state.min_offload_bytes, state.weights_in_graph = (
-        mlp_tile_tokens, min_offload_bytes, weights_in_graph)
+    state.mlp_tile_tokens, state.min_offload_bytes, state.weights_in_graph, state.attention_tokens = (
+        mlp_tile_tokens, min_offload_bytes, weights_in_graph, attention_tokens)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return state
 

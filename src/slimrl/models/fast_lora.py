@@ -32,7 +32,7 @@ import types
 
 import torch
 
-from slimrl.models import quantization
+from slimrl.models import attention_store, quantization
 from slimrl.ops import kernels
 from slimrl.ops.fused import FUSED_FORWARD, fusable_norm
 from slimrl.ops.lora_linear import LoRAProjection, lora_linear
@@ -280,8 +280,9 @@ def _fast_attention_forward(attn, hidden_states: torch.Tensor, position_embeddin
                                                                                           "sliding_window", None)
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     interface = _attention_functions().get_interface(attn.config._attn_implementation, eager)
-    out, weights = interface(attn, query.transpose(1, 2), key.transpose(1, 2), value, attention_mask,
-                             dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
-                             **kwargs)  # fmt: skip
+    call = interface if attn.config._attn_implementation == "eager" else functools.partial(attention_store.attention,
+                                                                                             interface)  # fmt: skip
+    out, weights = call(attn, query.transpose(1, 2), key.transpose(1, 2), value, attention_mask,
+                        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **kwargs)
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
     return attn.o_proj(out), weights

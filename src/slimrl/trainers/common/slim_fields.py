@@ -48,6 +48,17 @@ class SlimFields:
             "extra compute). 0 disables tiling."
         },
     )
+    keep_attention_tokens: int = field(
+        default=32768,
+        metadata={
+            "help": "With offloaded checkpoints and fast LoRA, Llama-family layers over sequences of at least this "
+            "many tokens keep their attention from the forward instead of recomputing it in the backward: the tensors "
+            "its backward needs (q, k, v, the output, its log-sum-exp) are parked in host memory like the "
+            "checkpoints, for the same gradients bit for bit without the recompute's attention kernel, whose cost "
+            "grows with the square of the length (W1 at 32k tokens: a 9.5% shorter step, same peak; no gain measured "
+            "at 16k). Adds host memory and copies of about 2.3x the checkpoints' own. 0 disables."
+        },
+    )
     fast_lora: bool | None = field(
         default=None,
         metadata={
@@ -93,6 +104,9 @@ def check_slim_fields(args) -> None:
         )
     if args.mlp_tile_tokens < 0:
         raise ValueError(f"mlp_tile_tokens must be >= 0 (0 disables MLP tiling), got {args.mlp_tile_tokens}.")
+    if args.keep_attention_tokens < 0:
+        raise ValueError(f"keep_attention_tokens must be >= 0 (0: always recompute attention), got "
+                         f"{args.keep_attention_tokens}.")  # fmt: skip
     check_on_nonfinite(args.on_nonfinite)
     if args.offload_checkpoints and not args.gradient_checkpointing:
         raise ValueError(

@@ -1,0 +1,225 @@
+"""Attention kept from an offloaded checkpoint's first forward, so that the backward does not run it again.
+
+The offloaded checkpoints (models/checkpointing.py) recompute each layer in its backward: the attention block, then
+the MLP. For long sequences the attention kernel is the recompute's largest part (its cost grows with the square of
+the length; at 32,768 tokens on Qwen2.5-1.5B it is 1.2 s of a 12.4 s step). Here the checkpoint's gradient-free
+forward builds the autograd graph of the attention call itself (SDPA, FlashAttention or eager, as the model is
+configured; with the repeat of grouped K/V heads when the model does it) from q, k and v, and every tensor that graph
+saves (q, k, v, the output, its log-sum-exp) is parked in host memory by saved-tensor hooks, as the layer's input is.
+The recompute in the backward then computes q, k and v again (the projections and the rotary embedding are cheap)
+but takes the stored output instead of calling attention, and its gradient comes from the stored graph. The stored
+graph's kernels are the ones autograd would have run in the recompute, on the same values, so the gradients are
+bitwise those of the plain recompute.
+
+What stays where it is instead of being parked: parameters, the attention mask (shared by every layer) and tensors
+under 1 MiB (or the checkpoints' `min_offload_bytes`, if smaller). A tensor is parked with its whole storage (one
+copy for several views of it, e.g. SDPA's output and the transposed output the attention function returns) and comes
+back with its strides.
+
+`recording(state, records)` around a checkpoint's forward and `replaying(records)` around its recompute switch this
+on for one layer call; `attention(interface, ...)` is what slimrl's attention forward (models/fast_lora.py) calls
+instead of the attention function. Outside those blocks, or when no record is left, it calls the function itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+
+import torch
+
+# Tensors under this size (or the checkpoints' min_offload_bytes, if smaller) stay where they are. Kept small: they add
+# up over the layers (grouped K and V heads at 32k tokens are 17 MB each per layer, 0.9 GiB over 28 layers).
+IN_PLACE_BYTES = 1 << 20
+_ACTIVE = threading.local()  # .tape: the Tape of the checkpoint call running on this thread, if any
+
+
+class _Entry(torch.autograd.Function):
+    """Where q, k or v enter a stored graph: a node that holds no tensor (a leaf would keep its GPU memory alive in
+    its gradient accumulator), so the input's gradient edge can be asked for later."""
+
+    @staticmethod
+    def forward(ctx, tensor, anchor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Parked:
+    """One storage copied to host memory (pinned, on the checkpoint's side stream on CUDA) and, once fetched, back."""
+
+    def __init__(self, state, tensor: torch.Tensor):
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        self.device, self.state = tensor.device, state
+        self.on_device: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self.host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
+            side = state.side_stream(tensor.device)
+            side.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(side):
+                self.host.copy_(raw, non_blocking=True)
+            raw.record_stream(side)  # the GPU memory lives until the copy has read it
+        else:
+            self.host = raw.clone()
+
+    def fetch(self) -> None:
+        """Start the copy back (no wait)."""
+        if self.on_device is not None:
+            return
+        if self.device.type != "cuda":
+            self.on_device = self.host.clone()
+            return
+        side = self.state.side_stream(self.device)
+        with torch.cuda.stream(side):
+            self.on_device = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(side)
+
+    def storage(self) -> torch.UntypedStorage:
+        self.fetch()
+        if self.ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.ready)
+            self.on_device.record_stream(current)  # made on the side stream, used on this one
+            self.ready = None
+        return self.on_device.untyped_storage()
+
+
+class _Handle:
+    """A parked tensor: its storage's `_Parked` and the view of it (dtype, offset, size, stride)."""
+
+    def __init__(self, parked: _Parked, tensor: torch.Tensor):
+        self.parked, self.dtype = parked, tensor.dtype
+        self.view = (tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def tensor(self) -> torch.Tensor:
+        storage = self.parked.storage()
+        return torch.empty(0, dtype=self.dtype, device=self.parked.device).set_(storage, *self.view)
+
+
+class AttentionRecord:
+    """One attention call's graph, built by the checkpoint's forward, with its saved tensors parked."""
+
+    def __init__(self, state, keep: list[torch.Tensor]):
+        self.state = state
+        self.kept_storages = {t.untyped_storage().data_ptr() for t in keep if torch.is_tensor(t)}
+        self.parked: dict[int, _Parked] = {}
+        self.inputs: list = []
+        self.output_edge = None
+        self.output: _Handle | torch.Tensor | None = None
+        self.recording: list[torch.Tensor] = []  # the parked tensors, referenced until the call is recorded
+
+    def pack(self, tensor: torch.Tensor):
+        """Saved-tensor hook: park the tensor, or keep it as it is (parameters, the mask, small tensors)."""
+        storage = tensor.untyped_storage()
+        if (isinstance(tensor, torch.nn.Parameter) or storage.data_ptr() in self.kept_storages
+                or tensor.nbytes < min(self.state.min_offload_bytes, IN_PLACE_BYTES)):
+            return tensor  # fmt: skip
+        if storage.nbytes() > 2 * tensor.nbytes:  # a view of a much larger buffer: park only what it shows
+            tensor = tensor.clone()
+            storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.parked:
+            self.parked[key] = _Parked(self.state, tensor)
+            self.recording.append(tensor)  # no other tensor can take this address while the call is recorded
+        return _Handle(self.parked[key], tensor)
+
+    @staticmethod
+    def unpack(packed):
+        return packed.tensor() if isinstance(packed, _Handle) else packed
+
+    def fetch(self, output_only: bool = False) -> None:
+        """Start bringing the parked storages back: the output's alone (the recompute's replay needs it first), or
+        all of them."""
+        if isinstance(self.output, _Handle):
+            self.output.parked.fetch()
+        for parked in () if output_only else self.parked.values():
+            parked.fetch()
+
+    def release(self) -> None:
+        self.parked, self.inputs, self.output_edge, self.output = {}, [], None, None
+
+
+class _Replayed(torch.autograd.Function):
+    """The recompute's attention: the stored output forward, the stored graph's gradient backward."""
+
+    @staticmethod
+    def forward(ctx, record: AttentionRecord, query, key, value):
+        ctx.record = record
+        output = AttentionRecord.unpack(record.output).detach()
+        record.fetch()  # q, k, v and the rest come back while the layer's MLP is recomputed
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        record, ctx.record = ctx.record, None
+        grads = torch.autograd.grad([record.output_edge], record.inputs, [grad], allow_unused=True)
+        record.release()
+        return None, *grads
+
+
+class Tape:
+    """The records of one checkpoint call: appended by its forward, taken in the same order by its recompute."""
+
+    def __init__(self, state, records: deque, replay: bool):
+        self.state, self.records, self.replay = state, records, replay
+
+    def record(self, interface, module, query, key, value, mask, kwargs):
+        record = AttentionRecord(self.state, [mask])
+        anchor = torch.empty(0, device=query.device, requires_grad=True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
+            inputs = [_Entry.apply(t.detach(), anchor) for t in (query, key, value)]
+            output, weights = interface(module, *inputs, mask, **kwargs)
+            record.output = record.pack(output)
+        record.inputs = [torch.autograd.graph.get_gradient_edge(t) for t in inputs]
+        record.output_edge = torch.autograd.graph.get_gradient_edge(output)
+        record.recording = []
+        self.records.append(record)
+        return output.detach(), None if weights is None else weights.detach()
+
+
+def attention(interface, module, query, key, value, mask, **kwargs):
+    """`interface(module, query, key, value, mask, **kwargs)` (transformers' attention function signature), stored by
+    a recording checkpoint forward and replayed by its recompute (see the module docstring)."""
+    tape = getattr(_ACTIVE, "tape", None)
+    if tape is None:
+        return interface(module, query, key, value, mask, **kwargs)
+    if not tape.replay:
+        return tape.record(interface, module, query, key, value, mask, kwargs)
+    if not tape.records:  # the forward stored nothing (another attention forward ran then): compute it
+        return interface(module, query, key, value, mask, **kwargs)
+    return _Replayed.apply(tape.records.popleft(), query, key, value), None
+
+
+@contextlib.contextmanager
+def recording(state, records: deque):
+    """Store the attention calls inside the block (a checkpoint's gradient-free forward) into `records`."""
+    with _active(Tape(state, records, replay=False)):
+        yield
+
+
+@contextlib.contextmanager
+def replaying(records: deque):
+    """Replay `records` for the attention calls inside the block (the same checkpoint's recompute)."""
+    with _active(Tape(None, records, replay=True)):
+        yield
+
+
+@contextlib.contextmanager
+def _active(tape: Tape):
+    previous = getattr(_ACTIVE, "tape", None)
+    _ACTIVE.tape = tape
+    try:
+        yield
+    finally:
+        _ACTIVE.tape = previous
+
+
+def fetch_outputs(records) -> None:
+    """Start copying back the stored outputs of `records` (None: nothing kept)."""
+    for record in records or ():
+        record.fetch(output_only=True)

@@ -1,0 +1,116 @@
+"""The attention kept from the offloaded checkpoints' forward (`models.attention_store`): a tiny Llama and Qwen2 with
+fast LoRA and MLP tiles give bit for bit the loss, logits and LoRA gradients of the plain recompute, with the padded
+batch's mask and without a mask, while the attention function runs once per layer instead of twice; everything it
+parked is gone after the backward; under the threshold nothing is kept; on CUDA the pinned side-stream copies give
+the same bits in bf16."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from slimrl.models import attention_store
+from slimrl.models.checkpointing import enable_offloaded_checkpointing
+from slimrl.models.fast_lora import enable_fast_lora
+from tests.ops.test_fast_lora import lora_model
+
+PADDED = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 13, 14, 15, 16, 17, 18, 19]])
+FULL = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 13, 14, 15, 16, 17, 18, 19]])
+
+
+def run(model, ids: torch.Tensor):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=(ids != 0).long(), labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def assert_equal(expected, actual):
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    assert expected[2].keys() == actual[2].keys() and expected[2]
+    for name, grad in expected[2].items():
+        assert torch.equal(actual[2][name], grad), name
+
+
+def counting_attention_calls(monkeypatch) -> list:
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    return calls
+
+
+def parked_storages() -> int:
+    return sum(isinstance(o, attention_store._Parked) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("ids", [PADDED, FULL], ids=["padded", "unpadded"])
+def test_kept_attention_gives_the_recomputes_bits_with_one_attention_call_per_layer(arch, ids, monkeypatch):
+    model = lora_model(arch)
+    enable_fast_lora(model)
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=4, min_offload_bytes=0)
+    calls = counting_attention_calls(monkeypatch)
+    plain = run(model, ids)
+    assert len(calls) == 4 and state.kept_attention == 0  # 2 layers, each in the forward and again in the recompute
+    calls.clear()
+    state.attention_tokens = ids.shape[1]
+    kept = run(model, ids)
+    assert len(calls) == 2 and state.kept_attention == 2  # the recompute took both layers' stored attention
+    assert_equal(plain, kept)
+    gc.collect()
+    assert parked_storages() == 0  # the stored graphs and their host copies went with the backward
+    state.attention_tokens = ids.shape[1] + 1  # sequences shorter than the threshold recompute as before
+    calls.clear()
+    assert_equal(plain, run(model, ids))
+    assert len(calls) == 4 and state.kept_attention == 2
+
+
+def test_small_tensors_stay_in_place_and_a_recompute_without_a_record_computes_attention(monkeypatch):
+    model = lora_model()
+    enable_fast_lora(model)
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=0, attention_tokens=1)  # all under 1 MiB: none parked
+    made = []
+    original = attention_store._Parked.__init__
+    monkeypatch.setattr(attention_store._Parked, "__init__", lambda self, *a: made.append(1) or original(self, *a))
+    kept = run(model, PADDED)
+    assert state.kept_attention == 2 and not made
+    state.attention_tokens = 0
+    assert_equal(run(model, PADDED), kept)
+    with attention_store.replaying(attention_store.deque()):  # nothing stored: the function runs
+        query = torch.randn(1, 2, 3, 4)
+        out, _ = attention_store.attention(lambda m, q, k, v, mask, **kw: (q * 2, None), None, query, query, query,
+                                           None)  # fmt: skip
+    assert torch.equal(out, query * 2)
+
+
+def test_bad_threshold_is_refused():
+    with pytest.raises(ValueError, match="attention_tokens must be >= 0"):
+        enable_offloaded_checkpointing(lora_model(), attention_tokens=-1)
+
+
+@pytest.mark.cuda  # pinned host copies on the side stream, cuDNN/flash SDPA in bf16
+@pytest.mark.parametrize("ids", [PADDED, FULL], ids=["padded", "unpadded"])
+def test_kept_attention_on_cuda_in_bf16_gives_the_recomputes_bits(ids):
+    model = lora_model("qwen2", dtype=torch.bfloat16).cuda()
+    enable_fast_lora(model)
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=4, min_offload_bytes=0)
+    ids = ids.cuda()
+    plain = run(model, ids)
+    state.attention_tokens = 1
+    kept = run(model, ids)
+    assert state.kept_attention == 2 and state.offloaded == 4
+    assert_equal(plain, kept)
+
+
+def test_the_demo_passes_its_setting_to_the_trainer_config(tmp_path):
+    from slimrl.cli.demo import DemoSettings
+    from slimrl.cli.demo_algorithms import grpo_config_kwargs
+    from slimrl.trainers.grpo.config import GRPOConfig
+
+    assert GRPOConfig(**grpo_config_kwargs(DemoSettings(), tmp_path, "cpu")).keep_attention_tokens == 32768
+    chosen = GRPOConfig(**grpo_config_kwargs(DemoSettings(keep_attention_tokens=1), tmp_path, "cpu"))
+    assert chosen.keep_attention_tokens == 1
