@@ -191,9 +191,6 @@ def w1_cell(side: dict) -> str:
     return f"{gib(side['peak_GiB'])} / {side['s']:.3f}"
 
 
-# what a W1 source's slimrl variant (`results.slimrl[<spec>]_L<length>.s`) left out, for the README's note
-W1_VARIANTS = {"auto/8192/1/0": "without fast LoRA",
-               "auto/8192/1/noattn": "with fast LoRA but the model's own attention block (eager rotary embedding)"}
 TABLE_SOURCES = ("short", "slimrl_long", "slimrl_131072")  # the others feed the notes
 
 
@@ -212,17 +209,29 @@ def render_w1(b: dict[str, Source]) -> str:
         lines.append(f"| {length:,} | {trl} | {unsloth} | {w1_cell(row['slimrl'])} | {ratio} |")
     both = [row for row in rows.values() if "trl" in row]
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
-    spec = next(p.split("[", 1)[1].split("]", 1)[0] for p in short.fields if p.startswith("results.slimrl["))
-    variant = {length: short.get(f"results.slimrl[{spec}]_L{length}.s") for length, row in rows.items()
-               if short in row["sources"]}  # fmt: skip
+    shared = max(length for length, row in rows.items() if short in row["sources"])
     note = (
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
-        f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The "
-        f"rows up to {max(variant):,} tokens ran in one run, one timed iteration each, slimrl with fast LoRA (its "
-        f"default on CUDA); {W1_VARIANTS[spec]} the same run took {', '.join(f'{s:.3f}' for s in variant.values())} "
-        f"s. The longer rows are from before fast LoRA. {w1_repeats_note(b)} {w1_host_note(b)} {w3_training_note(b)}")
+        f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The rows up to "
+        f"{shared:,} tokens ran in one run, one timed iteration each, slimrl with its defaults on CUDA (fast LoRA; "
+        f"at {shared:,} tokens the attention kept from the forward). {w1_kept_attention_note(b)} The longer rows "
+        f"are from before fast LoRA. {w1_repeats_note(b)} {w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
     return "\n".join(lines) + f"\n\n{provenance(*dict.fromkeys(sources))}\n\n{note}"
+
+
+def w1_kept_attention_note(b: dict[str, Source]) -> str:
+    """The attention kept from the forward against recomputed, in one run."""
+    src = b["kept_attention"]
+
+    def side(threshold: int, length: int) -> str:
+        return f"{src.get(f'results.slimrl[auto/8192/1/1/{threshold}]_L{length}.s'):.3f} s / " \
+               f"{gib(src.get(f'results.slimrl[auto/8192/1/1/{threshold}]_L{length}.peak_GiB'))}"  # fmt: skip
+
+    return (f"Keeping the attention (`keep_attention_tokens`) against recomputing it, median of 3 iterations in "
+            f"one run ({src.label}, `{src.file}`): {side(16384, 32768)} against {side(0, 32768)} at 32,768 tokens, "
+            f"{side(16384, 16384)} against {side(0, 16384)} at 16,384 (no gain there: the default keeps it from "
+            "32,768).")
 
 
 def w1_repeats_note(b: dict[str, Source]) -> str:
@@ -239,8 +248,9 @@ def w1_repeats_note(b: dict[str, Source]) -> str:
     repeats = len(mine.get(f"results.slimrl_L{lengths[0]}.s_each"))
     return (f"slimrl's step varies from iteration to iteration by up to {spread(mine, 'slimrl'):.0%} at "
             f"{lengths[0]:,}-{lengths[-1]:,} tokens (TRL's by {spread(trl, 'trl'):.0%}, Unsloth's by "
-            f"{spread(theirs, 'unsloth'):.0%}): a later run of the same code ({mine.label}, `{mine.file}`, "
-            f"`{theirs.file}`), median of {repeats} iterations, gave slimrl {ours} s against Unsloth's {unsloth} s.")
+            f"{spread(theirs, 'unsloth'):.0%}): an earlier run ({mine.label}, `{mine.file}`, `{theirs.file}`; the "
+            f"step's code at these lengths as above), median of {repeats} iterations, gave slimrl {ours} s against "
+            f"Unsloth's {unsloth} s.")
 
 
 def w1_host_note(b: dict[str, Source]) -> str:
