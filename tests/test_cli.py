@@ -47,7 +47,10 @@ def test_generation_backend_engine_makes_the_demo_generate_with_slimrls_engine(t
     assert metrics["rollout_engine_used"] is True and metrics["settings"]["generation_backend"] == "engine"
 
 
-def test_the_demo_trains_with_its_engine_on_a_rollout_device_one_step_ahead(tmp_path, capsys):
+def test_the_demo_trains_with_its_engine_on_a_rollout_device_one_step_ahead(tmp_path, capsys, monkeypatch):
+    from tests.distributed.preloaded_engines import use_preloaded_engine_processes
+
+    use_preloaded_engine_processes(monkeypatch)  # the engine process forked from a preloaded server
     out = tmp_path / "demo"
     flags = ["--steps", "3", "--output-dir", str(out), "--generation-device", "cpu", "--async-generation"]
     assert main([*TINY_DEMO, *flags]) == 0

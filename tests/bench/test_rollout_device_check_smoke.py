@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.preloaded_engines import use_preloaded_engine_processes
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "rollout_device_check.py"
 
 
-def test_tiny_run_finds_the_engine_process_holding_the_trainers_model(tmp_path):
+def test_tiny_run_finds_the_engine_process_holding_the_trainers_model(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
+    use_preloaded_engine_processes(monkeypatch)  # its two engine processes forked from one preloaded server
     spec = importlib.util.spec_from_file_location("bench_rollout_device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,9 +1,11 @@
 """bench/scaling.py on the CPU: with no launcher (N = 1) both sides run, each step split into phases with completion
 tokens per second over all ranks and no weight sync; under torchrun with 2 processes (DDP over gloo) the same script
-reports world size 2 and twice the N = 1 run's prompts per step."""
+reports world size 2 and twice the N = 1 run's prompts per step. The N = 1 runs call the script's main in this
+process, as the other bench smoke tests do (its exit status is main's report's); the N = 2 run is torchrun's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -25,6 +27,17 @@ def run(command: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def run_main(argv: list[str]) -> dict:
+    """`python bench/scaling.py ARGV` without a launcher, run in this process: the report it saved, once its exit
+    status (main's report's) is 0."""
+    spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(argv)
+    assert report.exit_status() == 0, report["problems"]
+    return json.loads(Path(argv[0]).read_text())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -34,7 +47,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
-    return run([sys.executable, str(SCRIPT), str(out), "--tiny", "--steps", "2", "--trl-steps", "1"], out)
+    return run_main([str(out), "--tiny", "--steps", "2", "--trl-steps", "1"])
 
 
 def test_one_process_times_both_sides_with_tokens_per_second_and_no_sync(single):
@@ -77,8 +90,8 @@ def test_two_processes_double_the_prompts_per_step(single, tmp_path):
 def test_a_global_batch_of_two_prompts_on_one_process_with_hf_generate(tmp_path):
     # the 1-GPU half of issue 22's same-global-batch comparison: both prompts of a step on the one rank
     out = tmp_path / "batch_n1.json"
-    report = run([sys.executable, str(SCRIPT), str(out), "--tiny", "--sides", "slimrl", "--steps", "1",
-                  "--prompts-per-step", "2", "--generation-backend", "transformers"], out)  # fmt: skip
+    report = run_main([str(out), "--tiny", "--sides", "slimrl", "--steps", "1", "--prompts-per-step", "2",
+                       "--generation-backend", "transformers"])  # fmt: skip
     assert report["problems"] == []
     settings, side = report["settings"], report["sides"]["slimrl"]
     assert settings["prompts_per_step"] == settings["prompts_per_step_per_rank"] == 2

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from slimrl.rollout.engine import RolloutEngine, SamplingParams
 from slimrl.testing import tiny_model, tiny_tokenizer
 from slimrl.trainers.rollouts.engine_rollouts import EngineRolloutMixin
+from tests.distributed.preloaded_engines import use_preloaded_engine_processes
 from tests.tolerances import assert_close
 from tests.trainers.grpo_harness import build_trainer
 
@@ -44,6 +45,13 @@ class Snapshots(TrainerCallback):
         self.by_step[state.global_step] = adapter_of(self.trainer)
 
 
+@pytest.fixture
+def engine_processes(monkeypatch):
+    """Engine processes forked from a server that imported their modules once (preloaded_engines.py): the same
+    engine, fed the same way, without a fresh interpreter's imports per test."""
+    use_preloaded_engine_processes(monkeypatch)
+
+
 def remote_trainer(**config):
     settings = dict(reward_funcs=length_reward, generation_device="cpu", max_steps=3, logging_steps=1,
                     max_completion_length=6, learning_rate=0.05, temperature=1.0, seed=5)  # fmt: skip
@@ -51,6 +59,7 @@ def remote_trainer(**config):
     return build_trainer("slimrl", **settings)
 
 
+@pytest.mark.usefixtures("engine_processes")
 def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_the_adapter(monkeypatch):
     trainer = remote_trainer()
     held_at_rollouts = []
@@ -81,6 +90,7 @@ def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_
     assert not engine.process.is_alive()
 
 
+@pytest.mark.usefixtures("engine_processes")
 @pytest.mark.parametrize("bits", [4, 8, None])
 def test_the_engine_process_rebuilds_the_trainers_model_and_a_quantised_base_travels_packed(tmp_path, bits):
     if bits is not None:
@@ -117,6 +127,7 @@ def test_the_engine_process_rebuilds_the_trainers_model_and_a_quantised_base_tra
         trainer.rollout_engine.close()
 
 
+@pytest.mark.usefixtures("engine_processes")
 def test_the_rollout_device_reproduces_a_run_from_the_trainers_seed():
     """The engine process's sampling seed is drawn from the trainer's seeded generator, so a run repeats."""
     logs = []
@@ -139,6 +150,7 @@ def expected_ratio(mode: str, old, sampling, mask, low, high):
     return ratio.masked_fill((ratio > high) | (ratio < (low if low is not None else 0.0)), 0.0)
 
 
+@pytest.mark.usefixtures("engine_processes")
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_async_generation_samples_from_the_previous_step_and_corrects_by_importance_sampling(monkeypatch, mode):
     trainer = remote_trainer(async_generation=True, vllm_importance_sampling_mode=mode)
@@ -227,6 +239,7 @@ def test_with_a_rollout_device_the_trainer_counts_one_training_gpu(config_name, 
     assert with_device.n_gpu == 1 and without.n_gpu == 2
 
 
+@pytest.mark.usefixtures("engine_processes")
 def test_rloo_trains_with_a_rollout_device_and_refuses_stale_rollouts():
     """RLOO shares the rollout-device path; async_generation is refused there (TRL's RLOO has no importance-sampling
     correction for stale log-probs)."""
@@ -249,6 +262,8 @@ def test_rloo_trains_with_a_rollout_device_and_refuses_stale_rollouts():
 
 
 def test_an_engine_error_is_raised_in_the_trainer_and_an_engine_death_is_named():
+    """Its engine process is spawned as the trainer's is (a fresh interpreter); the other tests' come from the fork
+    server of preloaded_engines.py."""
     from slimrl.distributed.remote_engine import RemoteRolloutEngine
     from tests.trainers.grpo_harness import lora_tiny_model
 
