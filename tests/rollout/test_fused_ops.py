@@ -190,13 +190,14 @@ def test_engine_with_fused_kernels_decodes_as_generate(arch, deterministic, monk
     engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
                            deterministic=deterministic)  # fmt: skip
     params = SamplingParams(temperature=0.0, ignore_eos=True)
-    first = engine.generate(prompts, params, max_new_tokens=6)
+    tokens = 3  # the prefill gives the first; decode step 2 reads the cache column that step 1 wrote
+    first = engine.generate(prompts, params, max_new_tokens=tokens)
     engine.release()  # frees the cache; the next rollout allocates a new one at another address
     blocker = torch.ones(1 << 16, device=DEVICE)  # noqa: F841 - keeps the old cache's memory from being reused
-    second = engine.generate(prompts, params, max_new_tokens=6)
+    second = engine.generate(prompts, params, max_new_tokens=tokens)
     assert first.completion_ids == second.completion_ids
     if DEVICE == "cpu":
-        steps = 2 * 5  # two rollouts of 6 tokens: the first token comes from the prefill
+        steps = 2 * (tokens - 1)  # two rollouts: the first token of each comes from the prefill
         # decode: q/k/v, o, gate/up and down of both layers each step; prefill: o, gate/up and down epilogues
         expected = {"qkv": 2 * steps, "project": 3 * 2 * steps + 2 * 3 * 2}
         assert launches == expected, "every decode layer ran the fused kernels"
@@ -207,7 +208,7 @@ def test_engine_with_fused_kernels_decodes_as_generate(arch, deterministic, monk
     for prompt, completion in zip(prompts, first.completion_ids, strict=True):
         ids = torch.tensor([prompt], device=DEVICE)
         with torch.no_grad():
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                      eos_token_id=None)  # fmt: skip
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                      do_sample=False, eos_token_id=None)  # fmt: skip
         assert completion == expected[0, len(prompt) :].tolist()
 
