@@ -195,10 +195,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if ctx.split is not None and 0 < state.attention_tokens <= hidden_states.shape[-2]:
             stash.attention = deque()
         with torch.no_grad():
-            if ctx.split is not None:
-                with _attention_kept(state, stash.attention, replay=False):
-                    return split_forward(state, *ctx.split, hidden_states)
-            return function(hidden_states, *other_args)
+            if ctx.split is None:
+                return function(hidden_states, *other_args)
+            with _attention_kept(state, stash.attention, replay=False):
+                output = split_forward(state, *ctx.split, hidden_states)
+        if not stash.attention:  # nothing stored (the layer's attention is not slimrl's): the recompute runs it
+            stash.attention = None
+        return output
 
     @staticmethod
     def backward(ctx, *output_grads):
