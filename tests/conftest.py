@@ -14,6 +14,10 @@ import torch  # noqa: E402
 # Triton kernels run through the interpreter where there is no GPU; set before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import interpreter_speed
+
+    interpreter_speed.install()
 
 # One thread: the tiny models gain nothing from a second, and two OpenMP threads per process spin against any other
 # load on a 2-core machine (measured: the trainer parity tests 6-10x slower in wall time on a busy box).

@@ -2,7 +2,12 @@
 fast LoRA and MLP tiles give bit for bit the loss, logits and LoRA gradients of the plain recompute, with the padded
 batch's mask and without a mask, while the attention function runs once per layer instead of twice; everything it
 parked is gone after the backward; under the threshold nothing is kept; on CUDA the pinned side-stream copies give
-the same bits in bf16."""
+the same bits in bf16.
+
+On the CPU the training kernels (RMSNorm, rotary embedding, gated product) take their PyTorch references here, not
+Triton's interpreter: what is tested is where attention is stored and replayed, which the kernels do not touch
+(tests/ops/test_fast_lora.py runs them interpreted under the offloaded checkpoints; the CUDA case runs them compiled),
+and the interpreter made this file the slowest of the suite."""
 
 from __future__ import annotations
 
@@ -15,6 +20,13 @@ from slimrl.models import attention_store
 from slimrl.models.checkpointing import enable_offloaded_checkpointing
 from slimrl.models.fast_lora import enable_fast_lora
 from tests.ops.test_fast_lora import lora_model
+
+
+@pytest.fixture(autouse=True)
+def eager_training_kernels_on_the_cpu(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # `ops.kernels.runs_here` is then False for CPU tensors
+
 
 PADDED = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 13, 14, 15, 16, 17, 18, 19]])
 FULL = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 13, 14, 15, 16, 17, 18, 19]])
