@@ -35,7 +35,7 @@ import torch
 from slimrl.models import attention_store, quantization
 from slimrl.ops import kernels
 from slimrl.ops.fused import FUSED_FORWARD, fusable_norm
-from slimrl.ops.lora_linear import LoRAProjection, lora_linear
+from slimrl.ops.lora_linear import LoRAProjection, lora_linear, remembered
 from slimrl.ops.lora_mlp import lora_mlp
 from slimrl.ops.rope import rope
 
@@ -175,6 +175,12 @@ def _projection(module) -> LoRAProjection | str:
     return _with_base(module, adapter)
 
 
+def _current_projection(module) -> LoRAProjection | str:
+    """`_projection(module)`, looked up once per layer pass of the offloaded checkpoints (`one_layer_pass`: the MLP's
+    tiles ask again for each tile) and at every call elsewhere."""
+    return remembered(("projection", id(module)), functools.partial(_projection, module))
+
+
 def _with_base(module, adapter: str) -> LoRAProjection | str:
     base = module.get_base_layer()
     weight = base.weight
@@ -213,7 +219,7 @@ def _mlp_reason(mlp) -> str | None:
 
 def _fast_mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
     """The MLP as one fused LoRA Function, or its previous forward when its LoRA cannot run fused now."""
-    found = [_projection(getattr(mlp, attr)) for attr in MLP_PROJECTIONS]
+    found = [_current_projection(getattr(mlp, attr)) for attr in MLP_PROJECTIONS]
     if x.dtype not in DTYPES or any(isinstance(p, str) for p in found):
         return _previous_forward(mlp)(x)
     return lora_mlp(x, *found, activation=ACTIVATIONS[type(mlp.act_fn).__name__])
@@ -222,7 +228,7 @@ def _fast_mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
 def _fast_linear_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """One LoRA projection through the fused Function; peft's forward for anything else (extra arguments such as
     peft's adapter_names, a disabled adapter)."""
-    found = _projection(layer)
+    found = _current_projection(layer)
     if args or kwargs or x.dtype not in DTYPES or isinstance(found, str):
         return _previous_forward(layer)(x, *args, **kwargs)
     return lora_linear(x, found)

@@ -19,10 +19,13 @@ the adapters' dtype. `lora_linear_reference` is peft's formula in plain PyTorch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
+
+_PASSES: list[dict] = []  # the open `one_layer_pass` blocks, innermost last
 
 
 class LoRAProjection(NamedTuple):
@@ -60,6 +63,41 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+@contextlib.contextmanager
+def one_layer_pass() -> Iterator[None]:
+    """A block in which the LoRA weights do not change: each adapter weight is cast to a compute dtype once and the
+    cast reused by every fused call in it (a decoder layer's MLP recomputed in tiles calls the fused MLP once per
+    tile), and `remembered` values are kept. The offloaded checkpoints open one per layer pass; nothing outlives it."""
+    _PASSES.append({})
+    try:
+        yield
+    finally:
+        _PASSES.pop()
+
+
+def remembered(key, make: Callable):
+    """`make()`, once per `one_layer_pass` block for this key (every call outside one)."""
+    if not _PASSES:
+        return make()
+    found = _PASSES[-1].get(key)
+    if found is None:
+        found = _PASSES[-1][key] = make()
+    return found
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor.to(dtype), made once per `one_layer_pass` block, grad mode and version of the tensor. The cast made
+    under grad is one autograd node shared by every use: it saves no tensor, so each use's backward runs through it
+    and accumulates into the weight as separate casts would."""
+    if tensor.dtype == dtype or not _PASSES:
+        return tensor.to(dtype)
+    key = ("cast", id(tensor), dtype, torch.is_grad_enabled())
+    found = _PASSES[-1].get(key)
+    if found is None or found[0] is not tensor or found[1] != tensor._version:
+        found = _PASSES[-1][key] = (tensor, tensor._version, tensor.to(dtype))
+    return found[2]
+
+
 def check_frozen(projection: LoRAProjection, name: str = "projection") -> None:
     """The fused ops compute no base-weight gradient: a trainable base weight is an error, not a silent zero."""
     if projection.weight.requires_grad:
@@ -73,7 +111,7 @@ def lora_linear(x: torch.Tensor, projection: LoRAProjection) -> torch.Tensor:
     dtype = compute_dtype(x)
     weight = projection.weight if projection.dequantize is not None else projection.weight.to(dtype)
     bias = None if projection.bias is None else projection.bias.to(dtype)
-    lora_a, lora_b = projection.lora_a.to(dtype), projection.lora_b.to(dtype)
+    lora_a, lora_b = cast(projection.lora_a, dtype), cast(projection.lora_b, dtype)
     with torch.autocast(x.device.type, enabled=False):
         out = LoRALinearFunction.apply(x.to(dtype).reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b,
                                        float(projection.scale), projection.dequantize)  # fmt: skip

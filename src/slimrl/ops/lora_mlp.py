@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from slimrl.ops import kernels
-from slimrl.ops.lora_linear import LoRAProjection, check_frozen, compute_dtype, lora_linear_reference
+from slimrl.ops.lora_linear import LoRAProjection, cast, check_frozen, compute_dtype, lora_linear_reference
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU: Llama, Qwen2/3, Mistral; GELU-tanh: Gemma's gelu_pytorch_tanh
 
@@ -97,7 +97,7 @@ def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: Lo
     tensors = []
     for p in (gate, up, down):
         weight = p.weight if p.dequantize is not None else p.weight.to(dtype)
-        tensors += [weight, None if p.bias is None else p.bias.to(dtype), p.lora_a.to(dtype), p.lora_b.to(dtype)]
+        tensors += [weight, None if p.bias is None else p.bias.to(dtype), cast(p.lora_a, dtype), cast(p.lora_b, dtype)]
     spec = _Spec((float(gate.scale), float(up.scale), float(down.scale)),
                  (gate.dequantize, up.dequantize, down.dequantize), activation, in_place)  # fmt: skip
     with torch.autocast(x.device.type, enabled=False):

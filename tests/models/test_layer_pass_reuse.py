@@ -1,0 +1,100 @@
+"""What the offloaded checkpoints reuse instead of redoing it on every layer call: the walk over a decoder layer's
+submodules (`recompute._walk`: the trainable weights and the dropout check must still follow every change a user or
+peft can make to the layer), and within one layer pass the adapters' casts to the compute dtype and the fused
+projections' lookup (`lora_linear.one_layer_pass`: the same bits as casting for every tile)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from slimrl.models import recompute
+from slimrl.models.checkpointing import enable_offloaded_checkpointing
+from slimrl.models.fast_lora import enable_fast_lora
+from slimrl.testing import tiny_model
+from tests.ops.test_fast_lora import lora_model, loss_and_grads
+
+
+def lora_layer():
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    return model, model.base_model.model.model.layers[0]
+
+
+def walked(layer) -> list[torch.Tensor]:
+    return recompute.trainable_weights(layer)
+
+
+def plain(layer) -> list[torch.Tensor]:
+    return [p for p in layer.parameters() if p.requires_grad]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def splittable(layer) -> bool:
+    return recompute.splittable_layer(functools.partial(type(layer).forward, layer), ()) is not None
+
+
+def test_the_walk_is_reused_and_follows_every_change_to_the_layer():
+    model, layer = lora_layer()
+    first = walked(layer)
+    assert same(first, plain(layer)) and len(first) == 14  # lora_A and lora_B of 7 projections
+    assert recompute._walk(layer) is recompute._walk(layer)  # nothing changed: the walk is reused
+    q_a = layer.self_attn.q_proj.lora_A["default"].weight
+    q_a.requires_grad_(False)  # read live
+    assert same(walked(layer), plain(layer)) and not any(p is q_a for p in walked(layer))
+    q_a.requires_grad_(True)
+    model.add_adapter("second", LoraConfig(r=2, target_modules="all-linear"))  # new modules and parameters
+    for name, p in layer.named_parameters():
+        p.requires_grad_("lora_" in name)
+    assert same(walked(layer), plain(layer)) and len(walked(layer)) == 28
+    proj = layer.mlp.down_proj.lora_B["default"]
+    swapped = torch.nn.Parameter(proj.weight.detach().clone())
+    proj._parameters["weight"] = swapped  # replaced without a registration (as stateless reparametrisation does)
+    assert same(walked(layer), plain(layer)) and any(p is swapped for p in walked(layer))
+
+
+def test_the_dropout_check_follows_p_the_training_flag_and_new_dropouts():
+    _, layer = lora_layer()
+    layer.train()
+    assert splittable(layer)
+    dropout = layer.self_attn.q_proj.lora_dropout["default"]
+    assert isinstance(dropout, torch.nn.Identity)
+    layer.self_attn.q_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)  # registered: a new walk
+    assert not splittable(layer)
+    layer.self_attn.q_proj.lora_dropout["default"].p = 0.0  # p read live
+    assert splittable(layer)
+    layer.self_attn.q_proj.lora_dropout["default"].p = 0.5
+    layer.eval()  # a gradient-free pass splits whatever the dropout
+    assert splittable(layer)
+
+
+def test_one_cast_per_adapter_weight_and_pass_with_the_bits_of_a_cast_per_tile(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the casts are what is tested: the kernels' references run
+    model = lora_model("qwen2", dtype=torch.bfloat16)  # peft's default: fp32 adapters on a bf16 base
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: 4 tiles
+    enable_fast_lora(model)
+    casts, adapters = [], {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    original = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        if id(self) in adapters and args and args[0] == torch.bfloat16:
+            casts.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reused = loss_and_grads(model)
+        reused_casts, casts[:] = len(casts), []
+        monkeypatch.setattr(recompute, "one_layer_pass", contextlib.nullcontext)
+        per_tile = loss_and_grads(model)
+    # per layer: 8 casts for q/k/v/o and 6 for the MLP, in the forward and again in the recompute; per tile: 6 x 4
+    assert (reused_casts, len(casts)) == (2 * 2 * (8 + 6), 2 * 2 * (8 + 6 * 4))
+    assert torch.equal(reused[0], per_tile[0]) and torch.equal(reused[1], per_tile[1])
+    assert reused[2].keys() == per_tile[2].keys() and all(g.dtype == torch.float32 for g in reused[2].values())
+    for name, grad in per_tile[2].items():
+        assert torch.equal(reused[2][name], grad), name
