@@ -44,6 +44,8 @@ def test_the_walk_is_reused_and_follows_every_change_to_the_layer():
     first = walked(layer)
     assert same(first, plain(layer)) and len(first) == 14  # lora_A and lora_B of 7 projections
     assert recompute._walk(layer) is recompute._walk(layer)  # nothing changed: the walk is reused
+    _ = model.base_model.model.model.layers[:2]  # a new ModuleList (transformers' forward makes one per call)
+    assert recompute._walk(layer) is recompute._walk(layer)
     q_a = layer.self_attn.q_proj.lora_A["default"].weight
     q_a.requires_grad_(False)  # read live
     assert same(walked(layer), plain(layer)) and not any(p is q_a for p in walked(layer))

@@ -98,11 +98,15 @@ class _Walk(NamedTuple):
 
 
 _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its _Walk
-_REGISTRATIONS = [0]  # modules and parameters registered anywhere in the process since import
+_WALKED: set[int] = set()  # ids of the modules some walk went through
+_REGISTRATIONS = [0]  # modules and parameters registered under a walked module since import
 
 
-def _count_registration(*_) -> None:
-    _REGISTRATIONS[0] += 1
+def _count_registration(parent: torch.nn.Module, *_) -> None:
+    # only under a walked module: transformers' decoder loop slices its ModuleList on every forward, which registers
+    # every layer again, into a new list
+    if id(parent) in _WALKED:
+        _REGISTRATIONS[0] += 1
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
@@ -110,8 +114,9 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 
 
 def _walk(layer: torch.nn.Module) -> _Walk:
-    """The layer's parameters and dropouts, walked once and reused while no module or parameter was registered since
-    and every parameter still sits where it was found (a swap through `_parameters` is caught too). A walk over a
+    """The layer's parameters and dropouts, walked once and reused while no module or parameter was registered under
+    any walked module since and every parameter still sits where it was found (a swap through `_parameters` is caught
+    too). A walk over a
     LoRA decoder layer's ~80 submodules cost about a millisecond of host time, two or three times per layer and chunk
     of each step; this check costs a few microseconds. Its results are read live: requires_grad and dropout p."""
     known = _WALKS.get(layer)
@@ -119,13 +124,15 @@ def _walk(layer: torch.nn.Module) -> _Walk:
         module._parameters.get(name) is param for module, name, param in known.params
     ):
         return known
+    modules = list(layer.modules())
+    _WALKED.update(id(m) for m in modules)
     params, seen = [], set()
-    for module in layer.modules():
+    for module in modules:  # parameters() order: modules first to last, each one's own in order
         for name, param in module._parameters.items():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 params.append((module, name, param))
-    dropouts = tuple(m for m in layer.modules() if isinstance(m, torch.nn.Dropout))
+    dropouts = tuple(m for m in modules if isinstance(m, torch.nn.Dropout))
     _WALKS[layer] = known = _Walk(_REGISTRATIONS[0], tuple(params), dropouts)
     return known
 

@@ -20,7 +20,7 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     state = offload_state(model)  # the model's own offloading settings, when it has them
     free_bytes, _ = torch.cuda.mem_get_info(device)
     # gradients the step's first backward will allocate (those already there are outside the free memory)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in _trainable(trainer, model) if p.grad is None)
     costs = ChunkCosts(
         model.config,
         dtype=model.dtype,
@@ -34,3 +34,12 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
         logger.info("slimrl: num_chunks=auto chose %d (%s)", choice.num_chunks, choice.explanation)
         trainer._last_auto_chunks = choice.num_chunks
     return choice.num_chunks
+
+
+def _trainable(trainer, model) -> list[torch.Tensor]:
+    """The model's trainable parameters, listed once per model: a walk over a LoRA model's modules costs milliseconds of
+    host time at every step, and the list only sizes the gradients in a memory estimate."""
+    cached = getattr(trainer, "_slimrl_auto_chunks_trainable", None)
+    if cached is None or cached[0] is not model:
+        cached = trainer._slimrl_auto_chunks_trainable = (model, [p for p in model.parameters() if p.requires_grad])
+    return cached[1]
