@@ -1,11 +1,11 @@
 """One optimizer step of slimrl's GRPO and DPO trainers on a fixed global batch, as `one_step(kind, world, rank)`; run
-as a module under torch.distributed.run (2 CPU processes over gloo, DistributedDataParallel as HF Trainer sets it
-up), each rank saves its trainable weights before and after the step to `<out>/<kind>-rank<R>.pt`. The step runs
-slimrl's whole training path as on a GPU, minus the copies to pinned memory: offloaded checkpoints with the MLP
-recomputed in tiles, two chunks per micro-batch (the first backpropagated under no_sync), SGD, fp32; the gradients
+as a module on two ranks (launch.py, or torch.distributed.run; 2 CPU processes over gloo, DistributedDataParallel as HF
+Trainer sets it up), each rank saves its trainable weights before and after the step to `<out>/<kind>-rank<R>.pt`. The
+step runs slimrl's whole training path as on a GPU, minus the copies to pinned memory: offloaded checkpoints with the
+MLP recomputed in tiles, two chunks per micro-batch (the first backpropagated under no_sync), SGD, fp32; the gradients
 are recorded as the optimizer step reads them. HF Trainer wraps a PEFT model with find_unused_parameters=True, whose
-graph search must see every weight. test_allreduce_once.py compares the ranks with each other and with
-`one_step(kind, 1, 0)` run in one process on the whole global batch."""
+graph search must see every weight. test_allreduce_once.py compares the ranks with each other and with `one_step(kind,
+1, 0)` run in one process on the whole global batch."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Worker of test_ddp_tiles.py (torch.distributed.run, 2 CPU processes over gloo): one backward of a tiny Qwen2 with
-LoRA under DistributedDataParallel and slimrl's offloaded checkpointing, the MLP recomputed whole (tile 0) and in
-tiles (tile 4 of 16 tokens), with DDP searching the graph for unused parameters (HF Trainer's choice for a PEFT
-model) and without. Each rank also backpropagates an unwrapped copy on its own tokens; the mean of those gradients
-over the ranks is what DDP must produce. Rank 0 writes per case: whether the backward ran, its error, and the largest
-difference from that mean."""
+"""Worker of test_ddp_tiles.py (2 ranks by launch.py or torch.distributed.run, CPU, gloo): one backward of a tiny Qwen2
+with LoRA under DistributedDataParallel and slimrl's offloaded checkpointing, the MLP recomputed whole (tile 0) and in
+tiles (tile 4 of 16 tokens), with DDP searching the graph for unused parameters (HF Trainer's choice for a PEFT model)
+and without. Each rank also backpropagates an unwrapped copy on its own tokens; the mean of those gradients over the
+ranks is what DDP must produce. Rank 0 writes per case: whether the backward ran, its error, and the largest difference
+from that mean."""
 
 from __future__ import annotations
 

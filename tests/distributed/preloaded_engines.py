@@ -3,7 +3,8 @@
 RemoteRolloutEngine starts its engine process with torch.multiprocessing's "spawn": a fresh interpreter that imports
 torch, transformers and peft (about 10 s on a 2-core machine) and tears them down at its exit (about 3 s more).
 `use_preloaded_engine_processes(monkeypatch)` hands it the "forkserver" context instead: a fork server, itself a
-fresh interpreter, imports the engine's modules once per test process, and each engine process is forked from it.
+fresh interpreter, imports the engine's modules once per test process (with those of launch.py's two-rank runs,
+which it serves too), and each engine process is forked from it.
 Such a process inherits nothing of the trainer's process (no model, no tensors, no torch state beyond the imports);
 it is started, as spawn's, from the pickled Process (`serve` by reference, the store's host and port), receives the
 model over the channel and serves exactly as a spawned one. Its random generators are reseeded from the OS at the
@@ -13,9 +14,6 @@ test starts its engine with spawn, as the trainer does.
 """
 
 from __future__ import annotations
-
-import multiprocessing
-import multiprocessing.forkserver
 
 ENGINE_MODULES = [
     "tests.distributed.engine_server",
@@ -30,12 +28,12 @@ ENGINE_MODULES = [
 
 
 def start_engine_server():
-    """The fork server's context, the server started (it imports ENGINE_MODULES in the background) if it is not
-    running yet. The environment it starts with is its engine processes' environment."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(ENGINE_MODULES)
-    multiprocessing.forkserver.ensure_running()
-    return context
+    """The fork server's context, the server started (it imports ENGINE_MODULES in the background, with the modules
+    of launch.py's two-rank runs: multiprocessing keeps one fork server per process) if it is not running yet. The
+    environment it starts with is its engine processes' environment."""
+    from tests.distributed.launch import start_fork_server
+
+    return start_fork_server()
 
 
 def use_preloaded_engine_processes(monkeypatch) -> None:

@@ -1,6 +1,6 @@
-"""Run by test_sharded_training.py under torchrun (2 CPU processes, gloo): TRL's and slimrl's GRPO trainers under
-FSDP2 or DeepSpeed ZeRO-3 from the same seed; rank 0 writes the logs as JSON. slimrl runs its chunked step (2 chunks),
-once with TRL's transformers generation and once with its engine over the gathered weights.
+"""Run by test_sharded_training.py on 2 ranks (launch.py; or torchrun) (CPU, gloo): TRL's and slimrl's GRPO trainers
+under FSDP2 or DeepSpeed ZeRO-3 from the same seed; rank 0 writes the logs as JSON. slimrl runs its chunked step (2
+chunks), once with TRL's transformers generation and once with its engine over the gathered weights.
 
 usage: python -m tests.distributed.sharded_train {fsdp2|zero3} OUT.json
 """

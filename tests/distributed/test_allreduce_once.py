@@ -8,9 +8,6 @@ allreduce_once.py for the step."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,19 +15,14 @@ import torch
 
 from tests.bench.test_scaling_smoke import free_port
 from tests.distributed.allreduce_once import TRAINERS, one_step
+from tests.distributed.launch import run_two_processes
 from tests.tolerances import assert_close
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("allreduce")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tests.distributed.allreduce_once", str(out)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_processes("tests.distributed.allreduce_once", [str(out)], free_port(), timeout=600)
     assert json.loads((out / "logs.json").read_text())["num_processes"] == 2
     return out
 

@@ -9,23 +9,14 @@ two H100s; with tiles, the second tile's gradient did the same.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from tests.bench.test_scaling_smoke import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.distributed.launch import run_two_processes
 
 
 def test_ddp_reduces_the_offloaded_checkpoints_gradients_tiled_or_not(tmp_path):
     out = tmp_path / "tiles.json"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tests.distributed.ddp_tiles", str(out)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_processes("tests.distributed.ddp_tiles", [str(out)], free_port(), timeout=300)
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2 and logs["distributed_type"] == "DistributedType.MULTI_CPU"
     cases = [f"tile={tile},find_unused={find}" for tile in (0, 4) for find in (True, False)]

@@ -7,27 +7,18 @@ a model that cannot be gathered, and the MLP tiles under DeepSpeed."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import run_two_processes
 from tests.trainers.test_grpo_train_parity import assert_same_curves
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("mode, port, distributed_type", [("fsdp2", 29541, "DistributedType.FSDP"),
                                                           ("zero3", 29542, "DistributedType.DEEPSPEED")])  # fmt: skip
 def test_two_process_sharded_training_matches_trl(tmp_path, mode, port, distributed_type):
     out = tmp_path / "logs.json"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               "-m", "tests.distributed.sharded_train", mode, str(out)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_processes("tests.distributed.sharded_train", [mode, str(out)], port, timeout=900)
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2 and logs["distributed_type"] == distributed_type
     assert_same_curves(logs["trl"], logs["slimrl"])

@@ -1,4 +1,4 @@
-"""Run by test_grpo_distributed.py under `accelerate launch --cpu --num_processes 2`: trains TRL's and slimrl's
+"""Run by test_grpo_distributed.py on 2 CPU ranks (launch.py; or torchrun --nproc_per_node 2): trains TRL's and slimrl's
 GRPO trainers with DistributedDataParallel (gloo) from the same seed and writes rank 0's logs as JSON: transformers
 generation, and slimrl's engine on every rank with each prompt's group split across the two ranks."""
 

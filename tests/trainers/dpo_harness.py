@@ -1,8 +1,8 @@
 """Builds TRL's and slimrl's DPO trainers on identical tiny models, a preference batch to feed both, the comparison
 of one compute_loss + backward, and of a few steps of trainer.train().
 
-Run as a module under torch.distributed.run (test_dpo_parity's DDP test), it trains both trainers with DDP on the CPU
-and writes rank 0's logs as JSON to the path given as its argument."""
+Run as a module on two ranks (test_dpo_parity's DDP test, through launch.py; or under torch.distributed.run), it trains
+both trainers with DDP on the CPU and writes rank 0's logs as JSON to the path given as its argument."""
 
 from __future__ import annotations
 

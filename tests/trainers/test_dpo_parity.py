@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.distributed.launch import run_two_processes
 from tests.tolerances import assert_close
 from tests.trainers.dpo_harness import (
     NUM_PAIRS,
@@ -30,8 +27,6 @@ from tests.trainers.dpo_harness import (
     train_log,
 )
 from tests.trainers.trainer_cache import TrainerCache
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # (case id, trainer options, accumulation steps). beta is 0.5 unless a case needs margins on both sides of a kink.
 CASES = [
@@ -200,11 +195,7 @@ def test_two_process_ddp_training_matches_trl(tmp_path):
     """Data-parallel training (2 CPU processes, gloo): the chunks' inner backward passes skip the all-reduce and the
     metrics are gathered across processes as TRL gathers them; the logged curve is TRL's."""
     out = tmp_path / "logs.json"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
-               "-m", "tests.trainers.dpo_harness", str(out)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_processes("tests.trainers.dpo_harness", [str(out)], 29547, timeout=600)
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2
     assert_same_curves(logs["trl"], logs["slimrl"], steps=2)

@@ -5,24 +5,15 @@ each prompt's group."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+from tests.distributed.launch import run_two_processes
 from tests.trainers.test_grpo_train_parity import assert_same_curves
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_process_ddp_training_matches_trl(tmp_path):
     out = tmp_path / "logs.json"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    # torchrun sets RANK/WORLD_SIZE; accelerate (inside the trainers) then runs DDP over gloo on the CPU
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-               "-m", "tests.trainers.distributed_train", str(out)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    # each rank gets torchrun's RANK/WORLD_SIZE; accelerate (inside the trainers) then runs DDP over gloo on the CPU
+    run_two_processes("tests.trainers.distributed_train", [str(out)], 29533, timeout=600)
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2
     assert_same_curves(logs["trl"], logs["slimrl"])

@@ -1,0 +1,44 @@
+"""launch.py's two ranks forked from the preloaded fork server: each one sees what a torchrun worker sees (torchrun's
+variables, `python -m`'s argv, the repository as working directory, one torch thread) and draws random numbers of
+its own, as two fresh interpreters would; a rank that fails ends the run at once, the other rank included, with its
+traceback in the failure; a variable that the server's imports read with another value is refused, by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.bench.test_scaling_smoke import free_port
+from tests.distributed.launch import ROOT, run_two_processes
+
+
+def test_each_rank_sees_a_torchrun_workers_setup_and_draws_its_own_random_numbers(tmp_path):
+    run_two_processes("tests.distributed.launch_probe", ["ok", str(tmp_path)], free_port(), timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, seen in enumerate(ranks):
+        assert seen["world"] == 2
+        assert seen["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "none",
+                               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        assert seen["argv"] == [str(ROOT / "tests" / "distributed" / "launch_probe.py"), "ok", str(tmp_path)]
+        assert seen["cwd"] == str(ROOT) and seen["threads"] == 1
+    # torch, numpy and Python's random: each generator seeded apart in each rank, as in two fresh interpreters
+    assert all(first != second for first, second in zip(ranks[0]["draws"], ranks[1]["draws"], strict=True))
+
+
+def test_a_failing_rank_ends_the_run_and_the_rank_waiting_for_it(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank1 exited with code 1(.|\n)*RuntimeError: rank 1 fails on purpose"):
+        run_two_processes("tests.distributed.launch_probe", ["fail", str(tmp_path)], free_port(), timeout=120)
+    assert time.monotonic() - started < 60  # rank 0, blocked in the barrier, was ended rather than waited for
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_variable_read_at_import_with_another_value_is_refused(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0" if os.environ.get("TRITON_INTERPRET") == "1" else "1")
+    with pytest.raises(AssertionError, match=r"rank0 exited with code 1(.|\n)*other values of \['TRITON_INTERPRET'\]"):
+        run_two_processes("tests.distributed.launch_probe", ["ok", str(tmp_path)], free_port(), env=env, timeout=120)
+    assert not list(tmp_path.iterdir())
