@@ -116,9 +116,9 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 def _walk(layer: torch.nn.Module) -> _Walk:
     """The layer's parameters and dropouts, walked once and reused while no module or parameter was registered under
     any walked module since and every parameter still sits where it was found (a swap through `_parameters` is caught
-    too). A walk over a
-    LoRA decoder layer's ~80 submodules cost about a millisecond of host time, two or three times per layer and chunk
-    of each step; this check costs a few microseconds. Its results are read live: requires_grad and dropout p."""
+    too). A walk over a LoRA decoder layer's ~80 submodules cost about a millisecond of host time, two or three times
+    per layer and chunk of each step; this check costs a few microseconds. What may change between steps is read
+    live from what it returns: requires_grad and dropout p."""
     known = _WALKS.get(layer)
     if known is not None and known.registrations == _REGISTRATIONS[0] and all(
         module._parameters.get(name) is param for module, name, param in known.params

@@ -86,16 +86,14 @@ def remembered(key, make: Callable):
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tensor.to(dtype), made once per `one_layer_pass` block, grad mode and version of the tensor. The cast made
+    """tensor.to(dtype), made once per `one_layer_pass` block, version of the tensor and grad mode. The cast made
     under grad is one autograd node shared by every use: it saves no tensor, so each use's backward runs through it
     and accumulates into the weight as separate casts would."""
     if tensor.dtype == dtype or not _PASSES:
         return tensor.to(dtype)
-    key = ("cast", id(tensor), dtype, torch.is_grad_enabled())
-    found = _PASSES[-1].get(key)
-    if found is None or found[0] is not tensor or found[1] != tensor._version:
-        found = _PASSES[-1][key] = (tensor, tensor._version, tensor.to(dtype))
-    return found[2]
+    # the entry keeps the tensor itself, so no other tensor can take its id while the block is open
+    key = ("cast", id(tensor), tensor._version, dtype, torch.is_grad_enabled())
+    return remembered(key, lambda: (tensor, tensor.to(dtype)))[1]
 
 
 def check_frozen(projection: LoRAProjection, name: str = "projection") -> None:
