@@ -11,9 +11,10 @@ processes' modules and the ranks'). Each rank then does what torchrun's worker w
   torchrun) plus the variables torchrun sets for a worker (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
   TORCHELASTIC_RUN_ID, ...), replacing the server's; rank 0 hosts the rendezvous store (there is no agent to host it, so
   TORCHELASTIC_USE_AGENT_STORE is False), which torch's env:// init and accelerate read when the worker starts;
-- torch's thread count is set from OMP_NUM_THREADS (the server imported torch before it was set), torch's and numpy's
-  generators are reseeded from the OS as a fresh interpreter seeds them (engine_server.py does the same for engine
-  processes; Python's random reseeds itself after a fork);
+- torch's thread count is set from OMP_NUM_THREADS (the server imported torch before it was set); torch's and numpy's
+  generators are reseeded from the OS as a fresh interpreter seeds them, by the fork hook that engine_server.py (one
+  of the preloaded modules) registers in the server for every process forked from it; Python's random reseeds
+  itself after a fork;
 - it runs in a session of its own (as torchrun starts its workers) with stdout and stderr in a log file per rank, in
   the test's working directory, with sys.argv as `python -m` sets it, and runs the module as __main__ (runpy).
 
@@ -123,7 +124,6 @@ def run_rank(rank: int, module: str, args: list[str], port: int, env: dict[str, 
     import runpy
     import warnings
 
-    import numpy
     import torch
 
     os.setsid()
@@ -135,8 +135,6 @@ def run_rank(rank: int, module: str, args: list[str], port: int, env: dict[str, 
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    torch.seed()
-    numpy.random.seed()
     os.chdir(cwd)
     wanted_paths = [cwd, *(path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path)]
     sys.path[:0] = [path for path in wanted_paths if path not in sys.path]
