@@ -5,10 +5,11 @@ sum (the gap is launch and host time). TRL's step is profiled the same way with 
 Where the GPU waits: the step's idle time on the GPU timeline and its largest gaps (the kernels either side), the CUDA
 runtime calls (launches, synchronisations, copies, allocations: count and host ms), and, with --stacks, the Python lines
 that make the host wait for the GPU (one more step under torch's CUDA sync debug mode); with --python a cProfile of one
-more step; with --graph-forward the model's gradient-free forward timed eagerly and as a CUDA graph replay.
+more step; with --gaps why the GPU idles (the host still busy, and where, or a launch waiting on another stream);
+with --graph-forward the model's gradient-free forward timed eagerly and as a CUDA graph replay.
 
     python bench/profile_w1.py $OUT/profile_w1.json 1024 4096 32768 [--trainers slimrl] [--top 25] [--stacks] [--python]
-        [--graph-forward]
+        [--graph-forward] [--gaps]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def runtime_calls(calls: list[tuple[str, float]]) -> dict:
     return {name: {"calls": n, "ms": round(us / 1e3, 2)} for name, (n, us) in ranked}
 
 
-OURS = re.compile(r"^.*/(slimrl|trl|transformers|peft|bench)/")  # a frame's file in one of these, and its prefix
+OURS = re.compile(r"^(?:.*/)?(slimrl|trl|transformers|peft|bench)/")  # a frame's file in one of these, and its prefix
 
 
 def call_site(stack: list[str]) -> str:
@@ -203,16 +204,171 @@ def graph_probe(model, length: int, iterations: int = 5) -> dict:
     return result
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# what a host thread is seen doing: Python calls (traced with stacks), torch ops and CUDA runtime/driver calls
+HOST_CATEGORIES = ("python_function", "cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+RUNTIME_CALL = re.compile(r"cu[A-Z]|cuda")
+GAP_SIZES = ((5.0, "<5us"), (50.0, "5-50us"), (500.0, "50-500us"), (5000.0, "0.5-5ms"), (float("inf"), ">5ms"))
+
+
+class HostStacks:
+    """What a host thread was in at a time (Python functions when traced `with_stack=True`, torch ops, CUDA runtime
+    calls), from a trace's host events: one sweep turns each thread's nested calls into segments, each with its
+    stack."""
+
+    def __init__(self, events: list[dict]):
+        import bisect
+
+        self._bisect = bisect.bisect_right
+        per_thread: dict = {}
+        for event in events:
+            if event.get("cat") in HOST_CATEGORIES:
+                per_thread.setdefault(event.get("tid"), []).append(
+                    (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)), event["name"]))
+        self.segments: dict = {}
+        for tid, calls in per_thread.items():
+            calls.sort(key=lambda call: (call[0], -call[1]))
+            starts, stacks, open_calls = [], [], []
+            for start, end, name in calls:
+                while open_calls and open_calls[-1][0] <= start:  # calls that ended before this one began
+                    ended = open_calls.pop()[0]
+                    starts.append(ended)
+                    stacks.append(tuple(frame for _, frame in open_calls))
+                open_calls.append((end, name))
+                starts.append(start)
+                stacks.append(tuple(frame for _, frame in open_calls))
+            while open_calls:
+                ended = open_calls.pop()[0]
+                starts.append(ended)
+                stacks.append(tuple(frame for _, frame in open_calls))
+            self.segments[tid] = (starts, stacks)
+
+    def at(self, tid, time: float) -> tuple:
+        """The stack (outermost first) of thread `tid` at `time`."""
+        starts, stacks = self.segments.get(tid, ((), ()))
+        index = self._bisect(starts, time) - 1
+        return stacks[index] if index >= 0 else ()
+
+
+def trace_frame(name: str) -> str:
+    """A python_function event's name (`/path/file.py(123): function`) as call_site's frames read it."""
+    match = re.match(r"(.*)\((\d+)\): (.*)", name)
+    return f"{match[1]}:{match[2]} {match[3]}" if match else name
+
+
+def gap_causes(trace: dict, top: int = 15, samples: int = 8, min_us: float = 5.0) -> dict:
+    """Why the GPU idles, from a Chrome trace of one step (torch.profiler's export, `with_stack=True`). Each gap of at
+    least `min_us` between GPU activities (all streams merged) is split at the moment the host's call launching the
+    activity after it returned: the part before is **host** time (the GPU had run dry and the host was still busy: the
+    gap's host time is charged, in `samples` equal slices, to the innermost slimrl/TRL/transformers/peft frames the
+    launching thread was in at each slice), the part after is **waiting** (launched in time, the activity waited for
+    another stream's work: charged to the activity on another stream that ended last before it started, or to the
+    activity after the gap if none)."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    launches = {}
+    device = []
+    for event in events:
+        category = event.get("cat")
+        if category in ("cuda_runtime", "cuda_driver"):
+            correlation = event.get("args", {}).get("correlation")
+            if correlation is not None:
+                launches[correlation] = (float(event["ts"]) + float(event.get("dur", 0)), event.get("tid"))
+        elif category in GPU_CATEGORIES:
+            start = float(event["ts"])
+            device.append((start, start + float(event.get("dur", 0)), event["name"],
+                           event.get("args", {}).get("stream"), event.get("args", {}).get("correlation")))
+    device.sort(key=lambda activity: activity[0])
+    stacks = HostStacks(events)
+    launch_sites: dict[str, list] = {}  # where the GPU's activities are launched: count and GPU ms, memsets apart
+    for start, end, name, _, correlation in device:
+        if correlation in launches:
+            launched, tid = launches[correlation]
+            frames = [trace_frame(frame) for frame in stacks.at(tid, launched - 0.5)]
+            site = call_site([frame for frame in frames if not RUNTIME_CALL.match(frame)])
+            kind = "memset" if name.startswith("Memset") else "launch"
+            entry = launch_sites.setdefault(f"{kind}: {site}", [0, 0.0])
+            entry[0] += 1
+            entry[1] += end - start
+    host_sites: dict[str, float] = {}
+    wait_sites: dict[str, float] = {}
+    host_total = wait_total = 0.0
+    reach = device[0][1] if device else 0.0
+    ends_by_stream: dict = {}
+    if device:
+        ends_by_stream[device[0][3]] = (device[0][1], device[0][2])
+    sizes = {label: [0, 0.0] for _, label in GAP_SIZES}
+    for start, end, name, stream, correlation in device[1:]:
+        gap = start - reach
+        if gap > 0:
+            bucket = sizes[next(label for bound, label in GAP_SIZES if gap < bound)]
+            bucket[0] += 1
+            bucket[1] += gap
+        if gap >= min_us:
+            launched, tid = launches.get(correlation, (start, None))
+            host = max(0.0, min(launched, start) - reach)
+            wait = gap - host
+            host_total += host
+            wait_total += wait
+            if host > 0:
+                for k in range(samples):
+                    frames = [trace_frame(frame) for frame in stacks.at(tid, reach + (k + 0.5) * host / samples)]
+                    site = call_site(frames) if any(OURS.match(frame) for frame in frames) else ""
+                    if frames and not OURS.match(frames[-1]):  # the calls the host was in, when not ours
+                        site += " | " + " <- ".join(OURS.sub(r"\1/", frame)[:60] for frame in reversed(frames[-2:]))
+                    host_sites[site] = host_sites.get(site, 0.0) + host / samples
+            if wait > 0:
+                others = [(t_end, other) for other_stream, (t_end, other) in ends_by_stream.items()
+                          if other_stream != stream and t_end <= start]  # fmt: skip
+                waited = max(others)[1] if others else f"(no other stream) {name}"
+                key = f"{waited[:70]} -> {name[:50]}"
+                wait_sites[key] = wait_sites.get(key, 0.0) + wait
+        ends_by_stream[stream] = max(ends_by_stream.get(stream, (0.0, "")), (end, name))
+        reach = max(reach, end)
+
+    def ranked(table):
+        return {k: round(v / 1e3, 2) for k, v in sorted(table.items(), key=lambda item: -item[1])[:top]}
+
+    by_count = sorted(launch_sites.items(), key=lambda item: -item[1][0])[: 2 * top]
+    sites = {site: {"count": n, "gpu_ms": round(us / 1e3, 2)} for site, (n, us) in by_count}
+    return {"host_ms": round(host_total / 1e3, 2), "waiting_ms": round(wait_total / 1e3, 2),
+            "host_sites_ms": ranked(host_sites), "waiting_on_ms": ranked(wait_sites),
+            "gaps_by_size": {label: {"count": n, "ms": round(us / 1e3, 2)} for label, (n, us) in sizes.items()},
+            "launch_sites": sites}  # fmt: skip
+
+
+def traced_gaps(step, top: int) -> dict:
+    """Two more `step()`s under torch.profiler, exported and read back by `gap_causes`: one plain (the split of the
+    idle time into host and waiting as the step runs) and one with Python stacks (where the host time goes; the
+    Python tracer slows the host, so its host time is larger than the plain step's)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for label, with_stack in (("plain", False), ("with_stacks", True)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+            step()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+        result[label] = gap_causes(trace, top)
+        del trace, prof
+    return result
+
+
 def host_view(events) -> dict:
     """The GPU's idle gaps and the CUDA runtime calls of a profiled step."""
     device = [(e.time_range.start, e.time_range.end, e.name) for e in events
               if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
     calls = [(e.name, e.time_range.end - e.time_range.start) for e in events
-             if e.device_type == torch.autograd.DeviceType.CPU and re.match(r"cu[A-Z]|cuda", e.name)]  # fmt: skip
+             if e.device_type == torch.autograd.DeviceType.CPU and RUNTIME_CALL.match(e.name)]  # fmt: skip
     return {"gpu": idle_gaps(device), "runtime": runtime_calls(calls)}
 
 
-def profile_step(trainer, length: int, top: int, stacks: bool = False, python: bool = False) -> dict:
+def profile_step(trainer, length: int, top: int, stacks: bool = False, python: bool = False,
+                 gaps: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model = trainer.model
@@ -251,6 +407,8 @@ def profile_step(trainer, length: int, top: int, stacks: bool = False, python: b
         result["sync_sites"] = sync_sites(step)
     if python:
         result["python"] = python_profile(step, top)
+    if gaps:
+        result["gap_causes"] = traced_gaps(step, top)
     return result
 
 
@@ -264,6 +422,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--python", action="store_true", help="one more step under cProfile: where the host time goes")
     parser.add_argument("--graph-forward", action="store_true",
                         help="also time the gradient-free forward eagerly and as a CUDA graph replay")  # fmt: skip
+    parser.add_argument("--gaps", action="store_true",
+                        help="one more step traced with Python stacks: the GPU's idle split into host and waiting")
     args = parser.parse_args(argv)
     report = {"workload": "W1 training phase, profiled", "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "results": {}}  # fmt: skip
@@ -271,11 +431,12 @@ def main(argv=None) -> dict:
     for kind in args.trainers.split(","):
         trainer = build_trainer(kind, model, max(args.lengths), 0.0)
         for length in args.lengths:
-            result = profile_step(trainer, length, args.top, args.stacks, args.python)
+            result = profile_step(trainer, length, args.top, args.stacks, args.python, args.gaps)
             if args.graph_forward:
                 result["graph_forward"] = graph_probe(trainer.model, length)
             report["results"][f"{kind}_L{length}"] = result
-            shown = {k: result[k] for k in ("step_ms", "kernel_ms", "families_ms", "sync_sites") if k in result}
+            shown = {k: result[k] for k in ("step_ms", "kernel_ms", "families_ms", "sync_sites", "gap_causes")
+                     if k in result}
             shown["idle_ms"] = result["host"]["gpu"]["idle_ms"]
             shown["graph_forward"] = result.get("graph_forward")
             print(json.dumps({f"{kind}_L{length}": shown}), flush=True)

@@ -96,3 +96,41 @@ def test_call_site_keeps_the_innermost_frames_of_ours():
     assert module.call_site(stack) == ("slimrl/ops/loss.py:7 nll <- slimrl/trainers/grpo/step.py:42 loss"
                                        " <- bench/grpo_memory.py:9 iteration")  # fmt: skip
     assert module.call_site(["a.py:1 f"]) == "a.py:1 f" and module.call_site([]) == "?"
+
+
+def test_gap_causes_split_each_gap_into_host_time_and_waiting_and_name_them():
+    def py(ts, dur, name, tid=1):
+        return {"cat": "python_function", "ts": 10 * ts, "dur": 10 * dur, "name": name, "tid": tid}
+
+    def gpu(ts, dur, name, correlation, stream=7, cat="kernel"):
+        return {"cat": cat, "ts": 10 * ts, "dur": 10 * dur, "name": name,
+                "args": {"stream": stream, "correlation": correlation}}  # fmt: skip
+
+    def launch(ts, correlation, tid=1):
+        return {"cat": "cuda_runtime", "ts": 10 * ts, "dur": 20, "name": "cudaLaunchKernel", "tid": tid,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    trace = {"traceEvents": [
+        py(0, 400, "/x/slimrl/models/checkpointing.py(10): forward"),
+        py(20, 60, "/x/slimrl/models/checkpointing.py(20): _park"),
+        py(30, 40, "<built-in method empty of type object>"),
+        launch(1, 1), gpu(5, 5, "k1", 1),  # k1 runs 5-10
+        launch(98, 2), gpu(100, 10, "k2", 2),  # 10-100: k2's launch returns at 100, so the host's
+        launch(105, 3), gpu(150, 20, "copy", 3, stream=9, cat="gpu_memcpy"),  # 110-150: launched in time: waiting
+        launch(112, 4), gpu(170, 5, "k3", 4),  # right after the copy: no gap
+        launch(116, 5), gpu(300, 5, "k4", 5),  # 175-300: launched in time, waiting; the copy ended last elsewhere
+    ]}  # fmt: skip
+    causes = load().gap_causes(trace, samples=10)
+    assert causes["host_ms"] == 0.9 and causes["waiting_ms"] == 1.65
+    # 10-100 in slices of 9 (middles 14.5 ... 95.5): in forward alone 3, in _park 2, in torch.empty inside it 5
+    assert causes["host_sites_ms"] == {
+        "slimrl/models/checkpointing.py:20 _park <- slimrl/models/checkpointing.py:10 forward"
+        " | <built-in method empty of type object> <- slimrl/models/checkpointing.py:20 _park": 0.45,
+        "slimrl/models/checkpointing.py:10 forward": 0.27,
+        "slimrl/models/checkpointing.py:20 _park <- slimrl/models/checkpointing.py:10 forward": 0.18,
+    }
+    assert causes["waiting_on_ms"] == {"copy -> k4": 1.25, "k2 -> copy": 0.4}
+    assert causes["gaps_by_size"]["0.5-5ms"] == {"count": 2, "ms": 2.15}
+    assert causes["gaps_by_size"]["50-500us"] == {"count": 1, "ms": 0.4}
+    # every launch counted where the host made it (k2 was launched at 98-100, inside forward alone)
+    assert causes["launch_sites"]["launch: slimrl/models/checkpointing.py:10 forward"]["count"] == 5
