@@ -100,3 +100,78 @@ def test_one_cast_per_adapter_weight_and_pass_with_the_bits_of_a_cast_per_tile(m
     assert reused[2].keys() == per_tile[2].keys() and all(g.dtype == torch.float32 for g in reused[2].values())
     for name, grad in per_tile[2].items():
         assert torch.equal(reused[2][name], grad), name
+
+
+def test_a_fused_projection_is_reused_across_calls_and_follows_every_change_to_its_layer(monkeypatch):
+    from slimrl.models import fast_lora
+
+    looked_up = []
+    original = fast_lora._projection
+    monkeypatch.setattr(fast_lora, "_projection", lambda module: looked_up.append(module) or original(module))
+    model, layer = lora_layer()
+    q = layer.self_attn.q_proj
+
+    def current():
+        looked_up.clear()
+        found = fast_lora._kept_projection(q)
+        return found, len(looked_up)
+
+    first, lookups = current()
+    assert lookups == 1 and first.lora_a is q.lora_A["default"].weight and first.scale == q.scaling["default"]
+    assert current() == (first, 0)  # nothing changed: reused without the checks
+    _ = model.base_model.model.model.layers[:2]  # transformers' per-forward ModuleList: not a change of the layer
+    assert current() == (first, 0)
+
+    q.scaling["default"] = 0.25  # peft's set_scale writes the dict
+    found, lookups = current()
+    assert lookups == 1 and found.scale == 0.25
+    q.get_base_layer().weight.requires_grad_(True)
+    assert "trainable" in current()[0]
+    q.get_base_layer().weight.requires_grad_(False)
+    assert isinstance(current()[0], fast_lora.LoRAProjection)
+
+    with model.disable_adapter():  # the reference pass
+        assert "disabled" in current()[0]
+    new_a = torch.nn.Parameter(q.lora_A["default"].weight.detach().clone())
+    q.lora_A["default"].weight = new_a  # registered
+    found, lookups = current()
+    assert lookups == 1 and found.lora_a is new_a
+    new_b = torch.nn.Parameter(q.lora_B["default"].weight.detach().clone())
+    q.lora_B["default"]._parameters["weight"] = new_b  # swapped without a registration
+    assert current()[0].lora_b is new_b
+    base = torch.nn.Parameter(q.get_base_layer().weight.detach().clone(), requires_grad=False)
+    q.get_base_layer()._parameters["weight"] = base
+    assert current()[0].weight is base
+
+    q.lora_dropout["default"].p = 0.0  # an Identity has no p: made a Dropout, then its p changed
+    q.lora_dropout["default"] = torch.nn.Dropout(0.0)
+    assert isinstance(current()[0], fast_lora.LoRAProjection)
+    q.lora_dropout["default"].p = 0.1
+    assert "dropout" in current()[0]
+    q.lora_dropout["default"].p = 0.0
+    q.merge()
+    assert "merged" in current()[0]
+    q.unmerge()
+    model.add_adapter("second", LoraConfig(r=2, target_modules="all-linear"))
+    model.base_model.set_adapter("second")
+    found = current()[0]
+    assert isinstance(found, fast_lora.LoRAProjection) and found.lora_a is q.lora_A["second"].weight
+
+
+def test_fast_lora_after_a_change_between_steps_computes_what_peft_computes():
+    # a scale changed and an adapter weight replaced after a fused step: the kept projections are not served stale
+    from slimrl.models.fast_lora import disable_fast_lora
+    from tests.ops.test_fast_lora import assert_same
+
+    model = lora_model("llama")
+    enable_fast_lora(model)
+    loss_and_grads(model)
+    generator = torch.Generator().manual_seed(5)
+    for module in model.modules():
+        if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
+            module.scaling["default"] = 0.5
+            weight = module.lora_B["default"].weight
+            module.lora_B["default"].weight = torch.nn.Parameter(torch.randn(weight.shape, generator=generator))
+    fast = loss_and_grads(model)
+    disable_fast_lora(model)
+    assert_same(loss_and_grads(model), fast, "changed between steps")

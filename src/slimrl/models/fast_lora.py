@@ -9,9 +9,11 @@ forward that runs
 - the attention block (Llama, Qwen2, Qwen3, Mistral) as transformers writes it, but with the rotary embedding of q
   and k in one Triton launch each way (`ops.rope.rope`, eager's bits) instead of eager's ten element-wise kernels.
   A call with a KV cache (generation) takes the model's own forward.
-`disable_fast_lora(model)` removes those forwards again. Nothing is kept between calls: each call reads the adapter,
-scale and base weight from the peft layer, so chunked steps, MLP tiles and the offloaded checkpoints' recompute
-(`ops.fused.mlp_forward` and `norm_forward` call a switched module's own forward) compute what a plain call does.
+`disable_fast_lora(model)` removes those forwards again. Each call uses the adapter, scale and base weight the peft
+layer holds then (what was found at an earlier call is reused only while the layer's state, modules, parameters, scale
+and dropout are as they were: `_kept_projection`), so chunked steps, MLP tiles and the offloaded checkpoints'
+recompute (`ops.fused.mlp_forward` and `norm_forward` call a switched module's own forward) compute what a plain call
+does.
 
 The fused path covers plain LoRA: one active adapter, lora_dropout 0, no DoRA or other variant, no LoRA bias, a frozen
 base that is an nn.Linear or a bitsandbytes Linear4bit (dequantised inside the Function), in fp16, bf16 or fp32. A
@@ -29,10 +31,13 @@ import functools
 import logging
 import sys
 import types
+import weakref
+from typing import NamedTuple
 
 import torch
 
 from slimrl.models import attention_store, quantization
+from slimrl.models.recompute import registrations, watch_registrations
 from slimrl.ops import kernels
 from slimrl.ops.fused import FUSED_FORWARD, fusable_norm
 from slimrl.ops.lora_linear import LoRAProjection, lora_linear, remembered
@@ -177,8 +182,57 @@ def _projection(module) -> LoRAProjection | str:
 
 def _current_projection(module) -> LoRAProjection | str:
     """`_projection(module)`, looked up once per layer pass of the offloaded checkpoints (`one_layer_pass`: the MLP's
-    tiles ask again for each tile) and at every call elsewhere."""
-    return remembered(("projection", id(module)), functools.partial(_projection, module))
+    tiles ask again for each tile), and there and elsewhere taken from `_PROJECTIONS` while still current."""
+    return remembered(("projection", id(module)), functools.partial(_kept_projection, module))
+
+
+class _Kept(NamedTuple):
+    """A fusable projection found by `_projection`, with what it was found under."""
+
+    state: tuple  # `_peft_state(module)` then
+    found: LoRAProjection
+    base: torch.nn.Module
+    lora_a: torch.nn.Module
+    lora_b: torch.nn.Module
+    adapter: str
+    dropout_p: float | None
+
+
+_PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # peft LoRA layer -> _Kept
+
+
+def _peft_state(module) -> tuple:
+    """What peft changes without registering a module or parameter (enable/disable, merges, the active adapter, an
+    accelerate hook), with the count of registrations under the modules a kept projection watches."""
+    active = module._active_adapter
+    return (registrations(), module._disable_adapters, len(module.merged_adapters),
+            active if isinstance(active, str) else tuple(active), "_hf_hook" in module.__dict__)  # fmt: skip
+
+
+def _kept_projection(module) -> LoRAProjection | str:
+    """`_projection(module)` without its checks (tens of microseconds, 7 times per decoder layer and pass) while nothing
+    it read has changed: peft's state (`_peft_state`), a module or parameter registered under the layer, its base,
+    its LoRA weights or dropout (a new adapter, a replaced weight), a parameter swapped through `_parameters`, the
+    scale, the dropout's p, the base weight made trainable. A reason not to fuse is looked up again at every call."""
+    kept = _PROJECTIONS.get(module)
+    if kept is not None and kept.state == _peft_state(module):
+        found = kept.found
+        if (kept.base._parameters.get("weight") is found.weight and kept.base._parameters.get("bias") is found.bias
+                and kept.lora_a._parameters.get("weight") is found.lora_a
+                and kept.lora_b._parameters.get("weight") is found.lora_b and not found.weight.requires_grad
+                and module.scaling.get(kept.adapter) == found.scale
+                and getattr(module.lora_dropout[kept.adapter], "p", None) == kept.dropout_p):  # fmt: skip
+            return found
+    found = _projection(module)
+    if isinstance(found, str):
+        _PROJECTIONS.pop(module, None)
+        return found
+    (adapter,) = module.active_adapters
+    parts = dict(base=module.get_base_layer(), lora_a=module.lora_A[adapter], lora_b=module.lora_B[adapter])
+    watch_registrations([module, module.lora_A, module.lora_B, module.lora_dropout, *parts.values()])
+    dropout_p = getattr(module.lora_dropout[adapter], "p", None)
+    _PROJECTIONS[module] = _Kept(_peft_state(module), found, adapter=adapter, dropout_p=dropout_p, **parts)
+    return found
 
 
 def _with_base(module, adapter: str) -> LoRAProjection | str:

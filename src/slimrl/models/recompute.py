@@ -113,6 +113,17 @@ torch.nn.modules.module.register_module_module_registration_hook(_count_registra
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
+def watch_registrations(modules) -> None:
+    """Count from now on every module or parameter registered under one of `modules` (`registrations()`)."""
+    _WALKED.update(id(m) for m in modules)
+
+
+def registrations() -> int:
+    """Modules and parameters registered under a watched module since import: what a cache of a module's structure
+    compares to know it is still current."""
+    return _REGISTRATIONS[0]
+
+
 def _walk(layer: torch.nn.Module) -> _Walk:
     """The layer's parameters and dropouts, walked once and reused while no module or parameter was registered under
     any walked module since and every parameter still sits where it was found (a swap through `_parameters` is caught
@@ -125,7 +136,7 @@ def _walk(layer: torch.nn.Module) -> _Walk:
     ):
         return known
     modules = list(layer.modules())
-    _WALKED.update(id(m) for m in modules)
+    watch_registrations(modules)
     params, seen = [], set()
     for module in modules:  # parameters() order: modules first to last, each one's own in order
         for name, param in module._parameters.items():

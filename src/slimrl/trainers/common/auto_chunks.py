@@ -16,14 +16,14 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     from slimrl.models.checkpointing import offload_state
     from slimrl.trainers.common.memory import ChunkCosts, choose_num_chunks
 
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model, trainable, dtype = _model_facts(trainer)
     state = offload_state(model)  # the model's own offloading settings, when it has them
     free_bytes, _ = torch.cuda.mem_get_info(device)
     # gradients the step's first backward will allocate (those already there are outside the free memory)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in _trainable(trainer, model) if p.grad is None)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     costs = ChunkCosts(
         model.config,
-        dtype=model.dtype,
+        dtype=dtype,
         offloaded=state is not None,
         mlp_tile_tokens=state.mlp_tile_tokens if state is not None else 0,
         gradient_bytes=gradient_bytes,
@@ -36,10 +36,13 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     return choice.num_chunks
 
 
-def _trainable(trainer, model) -> list[torch.Tensor]:
-    """The model's trainable parameters, listed once per model: a walk over a LoRA model's modules costs milliseconds of
-    host time at every step, and the list only sizes the gradients in a memory estimate."""
-    cached = getattr(trainer, "_slimrl_auto_chunks_trainable", None)
-    if cached is None or cached[0] is not model:
-        cached = trainer._slimrl_auto_chunks_trainable = (model, [p for p in model.parameters() if p.requires_grad])
-    return cached[1]
+def _model_facts(trainer) -> tuple[torch.nn.Module, list[torch.Tensor], torch.dtype]:
+    """(the unwrapped model, its trainable parameters, its dtype), found once per `trainer.model`: accelerate's
+    unwrap walks every module to look for compiled regions, and listing the parameters walks them again (together
+    milliseconds of host time at every step of a LoRA model); the list only sizes the gradients in a memory estimate."""
+    cached = getattr(trainer, "_slimrl_auto_chunks_model", None)
+    if cached is None or cached[0] is not trainer.model:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        cached = trainer._slimrl_auto_chunks_model = (trainer.model, model, trainable, model.dtype)
+    return cached[1:]
