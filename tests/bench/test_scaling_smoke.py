@@ -1,7 +1,9 @@
 """bench/scaling.py on the CPU: with no launcher (N = 1) both sides run, each step split into phases with completion
 tokens per second over all ranks and no weight sync; under torchrun with 2 processes (DDP over gloo) the same script
 reports world size 2 and twice the N = 1 run's prompts per step. The N = 1 runs call the script's main in this
-process, as the other bench smoke tests do (its exit status is main's report's); the N = 2 run is torchrun's."""
+process, as the other bench smoke tests do (its exit status is main's report's); the N = 2 run's two ranks are forked
+with torchrun's environment (tests/distributed/launch.py; the demo's two-process test in test_cli.py is the one run
+under torch.distributed.run itself)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "scaling.py"
 NO_SYNC_NOTE = "engine shares the training weights (no sync)"
-
-
-def run(command: list[str], out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def run_main(argv: list[str]) -> dict:
@@ -70,10 +63,14 @@ def test_one_process_times_both_sides_with_tokens_per_second_and_no_sync(single)
 
 
 def test_two_processes_double_the_prompts_per_step(single, tmp_path):
+    from tests.distributed.launch import run_two_processes
+
     out = tmp_path / "scaling_n2.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(SCRIPT), str(out), "--tiny", "--sides", "slimrl", "--steps", "1"]  # fmt: skip
-    report = run(command, out)  # torchrun's env: accelerate runs DDP over gloo on the CPU
+    # torchrun's environment on two ranks (forked from the preloaded server): accelerate runs DDP over gloo on the CPU
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    run_two_processes(str(SCRIPT), [str(out), "--tiny", "--sides", "slimrl", "--steps", "1"], free_port(), env=env,
+                      timeout=300, cwd=ROOT)  # fmt: skip
+    report = json.loads(out.read_text())
     assert report["problems"] == [] and report["world_size"] == 2 and report["distributed_type"] == "MULTI_CPU"
     assert list(report["sides"]) == ["slimrl"]
     side = report["sides"]["slimrl"]

@@ -139,6 +139,10 @@ def run_rank(rank: int, module: str, args: list[str], port: int, env: dict[str, 
     wanted_paths = [cwd, *(path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path)]
     sys.path[:0] = [path for path in wanted_paths if path not in sys.path]
     sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as `python -m` does
+    if module.endswith(".py"):  # a script, as `python path/to/script.py` runs it (its folder first on the path)
+        sys.path.insert(0, str(Path(module).resolve().parent))
+        runpy.run_path(module, run_name="__main__")
+        return
     # the worker may itself be one of the preloaded modules: __main__ is a fresh copy of it, as under `python -m`
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -162,11 +166,11 @@ def read_log(path: Path) -> str:
 
 def run_two_processes(module: str, args: list[str], port: int, env: dict[str, str] | None = None,
                       timeout: float = 600.0, cwd: Path = ROOT) -> list[str]:  # fmt: skip
-    """Runs `python -m module *args` as ranks 0 and 1 of a 2-process group (env:// on 127.0.0.1:port), forked from
-    the preloaded fork server, and returns their logs; fails (AssertionError, both ranks' log tails) when a rank exits
-    with a non-zero code or the two do not finish within `timeout` seconds, ending the other rank first. `env` is the
-    ranks' environment before torchrun's variables; by default the test process's, with one OpenMP thread per rank
-    (the two ranks share the machine's cores)."""
+    """Runs `python -m module *args` (`python module *args` for a path ending in .py) as ranks 0 and 1 of a 2-process
+    group (env:// on 127.0.0.1:port), forked from the preloaded fork server, and returns their logs; fails
+    (AssertionError, both ranks' log tails) when a rank exits with a non-zero code or the two do not finish within
+    `timeout` seconds, ending the other rank first. `env` is the ranks' environment before torchrun's variables; by
+    default the test process's, with one OpenMP thread per rank (the two ranks share the machine's cores)."""
     context = start_fork_server()
     env = dict(os.environ, OMP_NUM_THREADS="1") if env is None else dict(env)
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs_dir:
