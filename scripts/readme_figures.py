@@ -191,7 +191,7 @@ def w1_cell(side: dict) -> str:
     return f"{gib(side['peak_GiB'])} / {side['s']:.3f}"
 
 
-TABLE_SOURCES = ("short", "slimrl_long", "slimrl_131072")  # the others feed the notes
+TABLE_SOURCES = ("short", "short_32k", "slimrl_long", "slimrl_131072")  # the others feed the notes
 
 
 def render_w1(b: dict[str, Source]) -> str:
@@ -209,13 +209,18 @@ def render_w1(b: dict[str, Source]) -> str:
         lines.append(f"| {length:,} | {trl} | {unsloth} | {w1_cell(row['slimrl'])} | {ratio} |")
     both = [row for row in rows.values() if "trl" in row]
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
-    shared = max(length for length, row in rows.items() if short in row["sources"])
+    lengths = [length for length, row in rows.items() if short in row["sources"]]
+    earlier = b["short_32k"]
+    (kept,) = [length for length, row in rows.items() if earlier in row["sources"]]
+    repeats = len(short.get(f"results.slimrl_L{lengths[0]}.s_each"))
     note = (
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The rows up to "
-        f"{shared:,} tokens ran in one run, one timed iteration each, slimrl with its defaults on CUDA (fast LoRA; "
-        f"at {shared:,} tokens the attention kept from the forward). {w1_kept_attention_note(b)} The longer rows "
-        f"are from before fast LoRA. {w1_repeats_note(b)} {w1_host_note(b)} {w3_training_note(b)}")
+        f"{lengths[-1]:,} tokens ran in one run, each side's median of {repeats} timed iterations, slimrl with its "
+        f"defaults on CUDA (fast LoRA); the {kept:,} row in an earlier run of the same kind, one timed iteration "
+        f"each, with the attention kept from the forward (the default from {kept:,} tokens). "
+        f"{w1_kept_attention_note(b)} The longer rows are from before fast LoRA. {w1_spread_note(short, lengths)} "
+        f"{w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
     return "\n".join(lines) + f"\n\n{provenance(*dict.fromkeys(sources))}\n\n{note}"
 
@@ -234,23 +239,15 @@ def w1_kept_attention_note(b: dict[str, Source]) -> str:
             "32,768).")
 
 
-def w1_repeats_note(b: dict[str, Source]) -> str:
-    """slimrl's iteration-to-iteration spread in a later run of the same code, against TRL's and Unsloth's."""
-    mine, theirs, trl = b["repeats"], b["repeats_unsloth"], b["repeats"]
-    lengths = sorted(int(BY_LENGTH.match(p)[2]) for p in mine.fields if p.startswith("results.slimrl_L") and
-                     p.endswith(".s"))  # fmt: skip
+def w1_spread_note(src: Source, lengths: list[int]) -> str:
+    """How much each side's step moved between the timed iterations of the table's run."""
 
-    def spread(src: Source, side: str) -> float:
+    def spread(side: str) -> float:
         return max(max(e) / min(e) - 1 for e in (src.get(f"results.{side}_L{n}.s_each") for n in lengths))
 
-    ours = ", ".join(f"{mine.get(f'results.slimrl_L{n}.s'):.3f}" for n in lengths)
-    unsloth = ", ".join(f"{theirs.get(f'results.unsloth_L{n}.s'):.3f}" for n in lengths)
-    repeats = len(mine.get(f"results.slimrl_L{lengths[0]}.s_each"))
-    return (f"slimrl's step varies from iteration to iteration by up to {spread(mine, 'slimrl'):.0%} at "
-            f"{lengths[0]:,}-{lengths[-1]:,} tokens (TRL's by {spread(trl, 'trl'):.0%}, Unsloth's by "
-            f"{spread(theirs, 'unsloth'):.0%}): an earlier run ({mine.label}, `{mine.file}`, `{theirs.file}`; the "
-            f"step's code at these lengths as above), median of {repeats} iterations, gave slimrl {ours} s against "
-            f"Unsloth's {unsloth} s.")
+    return (f"Between those iterations slimrl's step moved by up to {spread('slimrl'):.0%} (TRL's by "
+            f"{spread('trl'):.0%}, Unsloth's by {spread('unsloth'):.0%}); between runs on different loans of the "
+            "same kind of machine it moves by more, with the host's speed.")
 
 
 def w1_host_note(b: dict[str, Source]) -> str:
