@@ -33,7 +33,8 @@ if [ -z "$PY" ] || [ "$positional" -gt 2 ]; then
   exit 2
 fi
 CPU_INDEX="${SLIMRL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+# --no-compile: torch's modules are byte-compiled at their first import (scripts/env.sh says why)
+PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
 # 5 s a connection or read: a dead or blackholed index fails fast, a working one stalls for less between packets
 CPU_TRY=("${PIP[@]}" --index-url "$CPU_INDEX" --timeout 5 --retries 0 "$REQUIREMENT")
 DEFAULT=("${PIP[@]}" "$REQUIREMENT")

@@ -75,7 +75,8 @@ def test_dry_run_with_nvidia_smi_installs_plain_pypi_torch(machine):
     run, python = machine
     result, _ = run("torch==2.13.0", "--dry-run", gpu=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"try: {python} -m pip install -q --disable-pip-version-check torch==2.13.0"]
+    expected = f"try: {python} -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0"
+    assert result.stdout.splitlines() == [expected]
 
 
 def test_an_unreachable_cpu_index_falls_back_to_the_default_index(machine):
@@ -83,7 +84,7 @@ def test_an_unreachable_cpu_index_falls_back_to_the_default_index(machine):
     result, calls = run("torch==2.13.0", cpu_rc=1)
     assert result.returncode == 0, result.stderr
     assert len(calls) == 3 and CPU_INDEX in calls[1] and "--index-url" not in calls[2]
-    assert calls[2].endswith("install -q --disable-pip-version-check torch==2.13.0")
+    assert calls[2].endswith("install -q --disable-pip-version-check --no-compile torch==2.13.0")
     assert "installing torch==2.13.0 from the default index" in result.stderr
 
 
