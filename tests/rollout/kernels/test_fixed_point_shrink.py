@@ -43,15 +43,16 @@ CASES = [
 ]
 
 
-def recorded_launches(monkeypatch) -> list:
-    """(grid, FIXED, input features per K split) of every `_shrink_kernel` launch from now on."""
+def recorded_launches(monkeypatch, with_rows: bool = False) -> list:
+    """(grid, FIXED, input features per K split) of every `_shrink_kernel` launch from now on; with_rows: and the
+    rows of its input."""
     launches = []
     real = lora_kernels._shrink_kernel
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((tuple(grid), kwargs["FIXED"], args[12]))
+                launches.append((tuple(grid), kwargs["FIXED"], args[12]) + ((args[0].shape[0],) if with_rows else ()))
                 return real[grid](*args, **kwargs)
 
             return launch
@@ -133,21 +134,25 @@ def test_fixed_point_shrink_at_its_own_width(monkeypatch):
 def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
     """Up to PAIR_MAX_FEATURES features an ordered shrink splits K in two at most (fp32 atomics, no fixed point):
     bit for bit 0 + p0 + p1 of its two shares, which is p1 + p0 as well; twice, the same bits; against peft's math.
-    W1's 1,536 features, 64 and 5 rows, three adapters (PAIR_MIN_PROGRAMS 0: these row counts give fewer)."""
+    64 and 5 rows (four full 16-row tiles; one partial), three adapters of rank 64 (two 32-column rank blocks), 200
+    features: shares of 128 and 72, two K steps each, the second share's last one partial (PAIR_MIN_PROGRAMS 0:
+    these row counts give fewer). The arithmetic does not depend on the width; the CUDA test runs W1's 1,536."""
     tiling = lora_kernels._tiling
+    features, per_share = 200, 128
     for rows in (64, 5):
-        x, lora_as = make_inputs(rows, 1536, 64, BF16, F32, 3)
+        x, lora_as = make_inputs(rows, features, 64, BF16, F32, 3)
         monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)
         launches = recorded_launches(monkeypatch)
         got = shrink_(x, lora_as, tf32=False, ordered=True)
         ((grid, fixed, per_split),) = launches[-1:]
-        assert not fixed and grid[2] == 2 and per_split == 768, "two K splits of 768 features, fp32 atomics"
+        assert not fixed and grid[2] == 2 and per_split == per_share, "two K splits of 128 features, fp32 atomics"
         assert torch.equal(got, shrink_(x, lora_as, tf32=False, ordered=True)), "the same inputs gave other bits"
         monkeypatch.undo()
         monkeypatch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "pair"))
         monkeypatch.setattr(lora_kernels, "TARGET_PROGRAMS", 1)  # unsplit: no atomics' order on a GPU
-        first, second = (shrink_(x[:, lo : lo + 768], [a[:, lo : lo + 768].contiguous() for a in lora_as],
-                                 tf32=False) for lo in (0, 768))  # fmt: skip
+        first, second = (shrink_(x[:, lo : lo + per_share], [a[:, lo : lo + per_share].contiguous()
+                                                             for a in lora_as], tf32=False)
+                         for lo in (0, per_share))  # fmt: skip
         monkeypatch.undo()
         assert torch.equal(got, (torch.zeros_like(first) + first) + second)
         assert torch.equal(got, (torch.zeros_like(first) + second) + first)
@@ -197,12 +202,14 @@ def test_fixed_limit_keeps_every_sum_inside_int64():
 
 
 def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
-    """Two 64-row tiles, three adapters, 16 splits: the atomic path and the fixed-point one give the same sums up
-    to fp32 summation order."""
+    """Two 64-row tiles (three 32-row tiles in fixed point), three adapters, 6 splits, the last of 10 features: the
+    atomic path and the fixed-point one give the same sums up to fp32 summation order."""
     monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
-    x, lora_as = make_inputs(70, 1000, 8, F32, F32, 3)
+    x, lora_as = make_inputs(70, 330, 8, F32, F32, 3)
+    launches = recorded_launches(monkeypatch)
     atomic = shrink_(x, lora_as, tf32=False)
     fixed = shrink_(x, lora_as, tf32=False, ordered=True)
+    assert [(grid[2], in_fixed_point) for grid, in_fixed_point, _ in launches] == [(6, False), (6, True)]
     assert_close(atomic, fixed, "fp32_sum", name="atomic vs fixed-point shrink")
 
 
@@ -212,26 +219,29 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
     launches take their shrinks from `shrink_` launches here (`KernelChoice.shrink_k` 0)."""
     from slimrl.rollout.engine import RolloutEngine
     from slimrl.rollout.fused_ops import choices_for
+    from slimrl.rollout.planning import bucket
     from tests.rollout.helpers import GREEDY, PROMPTS, build, hf_greedy, no_eos, with_lora
     from tests.rollout.kernels.builders import separate_shrinks
 
     model = no_eos(with_lora(build("qwen2", hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                                    intermediate_size=160)))  # fmt: skip
-    tokens = 3
+    tokens = 2  # one decode step (the first token comes from the prefill) runs every layer's four shrinks
     expected = hf_greedy(model, PROMPTS, tokens, eos_token_id=None)
     model = model.to(KERNEL_DEVICE)
-    steps, layers = tokens - 1, 2  # the first token comes from the prefill
+    steps, layers = tokens - 1, 2
     for pair_max, want in ((0, (3, True)), (lora_kernels.PAIR_MAX_FEATURES, (2, False))):
         monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", pair_max)
         monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)  # (a few rows here)
-        launches = recorded_launches(monkeypatch)
+        launches = recorded_launches(monkeypatch, with_rows=True)
         choices = separate_shrinks(choices_for(torch.device(KERNEL_DEVICE))[0])
         engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
                                deterministic=True, cuda_graphs=False, compile=False,
                                kernel_choices=choices)  # fmt: skip
         assert engine.generate(PROMPTS, GREEDY, max_new_tokens=tokens).completion_ids == expected
-        decode = [(grid[2], fixed) for grid, fixed, _ in launches if grid[0] == 1]  # one row tile: decode steps'
-        assert len(decode) >= steps * layers * 4 and set(decode) == {want}, "a shrink did not run as set"
+        # one row tile: the decode steps' (a row per prompt, in a batch bucket of 4) and the prefill's (its tokens)
+        tiled = [(grid[2], fixed) for grid, fixed, _, _ in launches if grid[0] == 1]
+        decode = [rows for grid, _, _, rows in launches if grid[0] == 1 and rows == bucket(len(PROMPTS))]
+        assert len(decode) >= steps * layers * 4 and set(tiled) == {want}, "a shrink did not run as set"
         monkeypatch.undo()
 
 

@@ -51,7 +51,8 @@ def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split
     the cache write, gate/up with the down shrink, and down give the unsplit path's values, twice in a row (each
     tile's last program resets its count for the next launch)."""
     g = torch.Generator(device=DEVICE).manual_seed(5)
-    rows, width, cache_len, column, dtype = 37, 80, 24, 9, torch.bfloat16
+    # 17 rows: part of one 32-row tile, and two 16-row tiles of the LoRA shrink's producers (the second of one row)
+    rows, width, cache_len, column, dtype = 17, 80, 24, 9, torch.bfloat16
     x = rand(g, rows, HIDDEN, dtype=dtype)
     qkv = [make_spec(g, n * DIM, HIDDEN, dtype, torch.float32, True, True, 0.5 + i)
            for i, n in enumerate((HEADS, KV_HEADS, KV_HEADS))]  # fmt: skip
