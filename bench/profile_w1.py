@@ -256,17 +256,10 @@ def trace_frame(name: str) -> str:
     return f"{match[1]}:{match[2]} {match[3]}" if match else name
 
 
-def gap_causes(trace: dict, top: int = 15, samples: int = 8, min_us: float = 5.0) -> dict:
-    """Why the GPU idles, from a Chrome trace of one step (torch.profiler's export, `with_stack=True`). Each gap of at
-    least `min_us` between GPU activities (all streams merged) is split at the moment the host's call launching the
-    activity after it returned: the part before is **host** time (the GPU had run dry and the host was still busy: the
-    gap's host time is charged, in `samples` equal slices, to the innermost slimrl/TRL/transformers/peft frames the
-    launching thread was in at each slice), the part after is **waiting** (launched in time, the activity waited for
-    another stream's work: charged to the activity on another stream that ended last before it started, or to the
-    activity after the gap if none)."""
-    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
-    launches = {}
-    device = []
+def trace_activities(events: list[dict]) -> tuple[dict, list]:
+    """({correlation: (when the launching call returned, its thread)}, GPU activities as (start, end, name, stream,
+    correlation) in start order) of a Chrome trace's events."""
+    launches, device = {}, []
     for event in events:
         category = event.get("cat")
         if category in ("cuda_runtime", "cuda_driver"):
@@ -278,62 +271,76 @@ def gap_causes(trace: dict, top: int = 15, samples: int = 8, min_us: float = 5.0
             device.append((start, start + float(event.get("dur", 0)), event["name"],
                            event.get("args", {}).get("stream"), event.get("args", {}).get("correlation")))
     device.sort(key=lambda activity: activity[0])
-    stacks = HostStacks(events)
-    launch_sites: dict[str, list] = {}  # where the GPU's activities are launched: count and GPU ms, memsets apart
+    return launches, device
+
+
+def launch_sites(launches: dict, device: list, stacks: HostStacks, top: int) -> dict:
+    """Where the GPU's activities were launched (memsets apart): count and GPU ms per call site, most first."""
+    table: dict[str, list] = {}
     for start, end, name, _, correlation in device:
         if correlation in launches:
             launched, tid = launches[correlation]
             frames = [trace_frame(frame) for frame in stacks.at(tid, launched - 0.5)]
             site = call_site([frame for frame in frames if not RUNTIME_CALL.match(frame)])
-            kind = "memset" if name.startswith("Memset") else "launch"
-            entry = launch_sites.setdefault(f"{kind}: {site}", [0, 0.0])
+            entry = table.setdefault(f"{'memset' if name.startswith('Memset') else 'launch'}: {site}", [0, 0.0])
             entry[0] += 1
             entry[1] += end - start
+    by_count = sorted(table.items(), key=lambda item: -item[1][0])[:top]
+    return {site: {"count": n, "gpu_ms": round(us / 1e3, 2)} for site, (n, us) in by_count}
+
+
+def host_site(frames: list[str]) -> str:
+    """A host sample's site: the innermost frames of ours, and the calls the host was in when those are not ours."""
+    site = call_site(frames) if any(OURS.match(frame) for frame in frames) else ""
+    if frames and not OURS.match(frames[-1]):
+        site += " | " + " <- ".join(OURS.sub(r"\1/", frame)[:60] for frame in reversed(frames[-2:]))
+    return site
+
+
+def gap_causes(trace: dict, top: int = 15, samples: int = 8, min_us: float = 5.0) -> dict:
+    """Why the GPU idles, from a Chrome trace of one step (torch.profiler's export, `with_stack=True`). Each gap of at
+    least `min_us` between GPU activities (all streams merged) is split at the moment the host's call launching the
+    activity after it returned: the part before is **host** time (the GPU had run dry and the host was still busy: the
+    gap's host time is charged, in `samples` equal slices, to the innermost slimrl/TRL/transformers/peft frames the
+    launching thread was in at each slice), the part after is **waiting** (launched in time, the activity waited for
+    another stream's work: charged to the activity on another stream that ended last before it started, or to the
+    activity after the gap if none)."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    launches, device = trace_activities(events)
+    stacks = HostStacks(events)
     host_sites: dict[str, float] = {}
     wait_sites: dict[str, float] = {}
-    host_total = wait_total = 0.0
+    totals = {"host": 0.0, "wait": 0.0}
     reach = device[0][1] if device else 0.0
-    ends_by_stream: dict = {}
-    if device:
-        ends_by_stream[device[0][3]] = (device[0][1], device[0][2])
+    ends_by_stream = {device[0][3]: (device[0][1], device[0][2])} if device else {}
     sizes = {label: [0, 0.0] for _, label in GAP_SIZES}
     for start, end, name, stream, correlation in device[1:]:
         gap = start - reach
         if gap > 0:
             bucket = sizes[next(label for bound, label in GAP_SIZES if gap < bound)]
-            bucket[0] += 1
-            bucket[1] += gap
+            bucket[0], bucket[1] = bucket[0] + 1, bucket[1] + gap
         if gap >= min_us:
             launched, tid = launches.get(correlation, (start, None))
             host = max(0.0, min(launched, start) - reach)
-            wait = gap - host
-            host_total += host
-            wait_total += wait
-            if host > 0:
-                for k in range(samples):
-                    frames = [trace_frame(frame) for frame in stacks.at(tid, reach + (k + 0.5) * host / samples)]
-                    site = call_site(frames) if any(OURS.match(frame) for frame in frames) else ""
-                    if frames and not OURS.match(frames[-1]):  # the calls the host was in, when not ours
-                        site += " | " + " <- ".join(OURS.sub(r"\1/", frame)[:60] for frame in reversed(frames[-2:]))
-                    host_sites[site] = host_sites.get(site, 0.0) + host / samples
-            if wait > 0:
+            totals["host"], totals["wait"] = totals["host"] + host, totals["wait"] + gap - host
+            for k in range(samples if host > 0 else 0):
+                site = host_site([trace_frame(frame) for frame in stacks.at(tid, reach + (k + 0.5) * host / samples)])
+                host_sites[site] = host_sites.get(site, 0.0) + host / samples
+            if gap - host > 0:
                 others = [(t_end, other) for other_stream, (t_end, other) in ends_by_stream.items()
                           if other_stream != stream and t_end <= start]  # fmt: skip
-                waited = max(others)[1] if others else f"(no other stream) {name}"
-                key = f"{waited[:70]} -> {name[:50]}"
-                wait_sites[key] = wait_sites.get(key, 0.0) + wait
+                key = f"{(max(others)[1] if others else f'(no other stream) {name}')[:70]} -> {name[:50]}"
+                wait_sites[key] = wait_sites.get(key, 0.0) + gap - host
         ends_by_stream[stream] = max(ends_by_stream.get(stream, (0.0, "")), (end, name))
         reach = max(reach, end)
 
     def ranked(table):
         return {k: round(v / 1e3, 2) for k, v in sorted(table.items(), key=lambda item: -item[1])[:top]}
 
-    by_count = sorted(launch_sites.items(), key=lambda item: -item[1][0])[: 2 * top]
-    sites = {site: {"count": n, "gpu_ms": round(us / 1e3, 2)} for site, (n, us) in by_count}
-    return {"host_ms": round(host_total / 1e3, 2), "waiting_ms": round(wait_total / 1e3, 2),
+    return {"host_ms": round(totals["host"] / 1e3, 2), "waiting_ms": round(totals["wait"] / 1e3, 2),
             "host_sites_ms": ranked(host_sites), "waiting_on_ms": ranked(wait_sites),
             "gaps_by_size": {label: {"count": n, "ms": round(us / 1e3, 2)} for label, (n, us) in sizes.items()},
-            "launch_sites": sites}  # fmt: skip
+            "launch_sites": launch_sites(launches, device, stacks, 2 * top)}  # fmt: skip
 
 
 def traced_gaps(step, top: int) -> dict:
