@@ -82,13 +82,17 @@ def test_warns_once_when_trainer_was_imported_before_patching(monkeypatch):
 
 
 def test_user_script_gets_fast_trainer_after_patching():
+    # The script ends with os._exit once its answer is printed: the interpreter's teardown of torch, transformers and
+    # TRL (about 2 s on a 2-core machine) would come after it and decide nothing here.
     code = textwrap.dedent(
         """
         from slimrl import FastLanguageModel, PatchFastRL
         PatchFastRL("grpo", FastLanguageModel)
         from trl import GRPOConfig, GRPOTrainer
         import slimrl
-        print(GRPOTrainer is slimrl.GRPOTrainer, GRPOConfig is slimrl.GRPOConfig)
+        print(GRPOTrainer is slimrl.GRPOTrainer, GRPOConfig is slimrl.GRPOConfig, flush=True)
+        import os
+        os._exit(0)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -141,3 +145,33 @@ def test_every_fast_trainer_keeps_trls_model_card_tags_and_adds_slimrl():
     for fast, original in pairs:
         assert fast._tag_names == [*original._tag_names, "slimrl"], fast.__name__
     assert slimrl.PPOTrainer._tag_names == ["trl", "ppo", "slimrl"]
+
+
+def test_a_trainer_built_on_another_ones_trl_class_takes_trls_whenever_it_is_first_imported(monkeypatch):
+    # BCO is built on KTO's TRL classes: imported for the first time while slimrl's KTO is patched into trl (as
+    # PatchFastRL() for every trainer did, kto's binding before bco's), it used to subclass slimrl's KTO and fail
+    # with "Cannot create a consistent method resolution order"
+    import importlib
+    import sys
+
+    from trl.trainer.kto_config import KTOConfig as TRLKTOConfig
+    from trl.trainer.kto_trainer import KTOTrainer as TRLKTOTrainer
+
+    for name in [m for m in sys.modules if m.startswith("slimrl.trainers.bco")]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test
+    slimrl.PatchFastRL("kto")
+    assert trl.KTOConfig is slimrl.KTOConfig
+    bco = importlib.import_module("slimrl.trainers.bco.trainer")
+    assert bco.BCOConfig.__mro__[1:3] == (patching_slim_fields(), TRLKTOConfig)
+    assert TRLKTOTrainer in bco.BCOTrainer.__mro__ and slimrl.KTOTrainer not in bco.BCOTrainer.__mro__
+    slimrl.unpatch()
+    for name in [m for m in sys.modules if m.startswith("slimrl.trainers.bco")]:
+        monkeypatch.delitem(sys.modules, name)
+    slimrl.PatchFastRL()  # every trainer, BCO's module imported after KTO's binding would be
+    assert trl.BCOTrainer.__module__ == "slimrl.trainers.bco.trainer" and TRLKTOTrainer in trl.BCOTrainer.__mro__
+
+
+def patching_slim_fields():
+    from slimrl.trainers.common.slim_fields import SlimFields
+
+    return SlimFields

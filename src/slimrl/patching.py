@@ -13,6 +13,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+from slimrl.trainers.common.trl_originals import ABSENT, ORIGINALS
+
 TESTED_TRL = ("1.16.0", "1.17.0")  # [lowest tested, first untested)
 
 
@@ -74,8 +76,8 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
 }
 _ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)
 
-_originals: dict[tuple[str, str], object] = {}  # (trl module, name) -> TRL's object, while patched
-_ABSENT = object()  # in _originals: trl had no such name (PPO), so unpatch deletes it
+# (trl module, name) -> TRL's object, while patched; _ABSENT there: trl had no such name (PPO), so unpatch deletes it
+_originals, _ABSENT = ORIGINALS, ABSENT
 _warned_early_imports: set[str] = set()
 
 
@@ -111,9 +113,12 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
             between inference and training themselves.
     """
     check_trl_version()
-    for binding in _bindings_for(algorithm):
+    bindings = _bindings_for(algorithm)
+    # every slimrl class first, then the rebinding: a slimrl module imported while trl's names are half rebound would
+    # build its class on slimrl's subclass of another trainer (BCO is KTO's)
+    replacements = [getattr(importlib.import_module(binding.slimrl_module), binding.name) for binding in bindings]
+    for binding, replacement in zip(bindings, replacements, strict=True):
         _warn_if_imported_early(binding, inspect.currentframe().f_back)
-        replacement = getattr(importlib.import_module(binding.slimrl_module), binding.name)
         for module_name in binding.trl_modules:
             module = importlib.import_module(module_name)
             key = (module_name, binding.name)

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import trl
-
 from slimrl.trainers.common.slim_fields import SlimFields, setting
+from slimrl.trainers.common.trl_originals import trl_original
+
+# TRL's KTOConfig, also when slimrl's KTO is patched into trl before this module is imported
+TRLKTOConfig = trl_original("trl", "KTOConfig")
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 
 
 @dataclass
-class BCOConfig(SlimFields, trl.KTOConfig):
+class BCOConfig(SlimFields, TRLKTOConfig):
     """Configuration of slimrl's BCOTrainer. TRL 0.2x's BCOConfig fields; the rest are TRL 1.16's KTOConfig ones."""
 
     learning_rate: float = setting(5e-7, "The initial learning rate for AdamW (TRL 0.2x BCO examples' value).")

@@ -30,7 +30,6 @@ import textwrap
 from dataclasses import dataclass
 
 import torch
-import trl
 
 from slimrl.trainers.bco import data, udm
 from slimrl.trainers.bco.checks import check_datasets, check_udm_arguments, check_unsupported_arguments
@@ -40,6 +39,7 @@ from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
 from slimrl.trainers.common.slim_fields import with_slim_fields
+from slimrl.trainers.common.trl_originals import trl_original
 from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, reference_forward
 
 __all__ = ["BCOConfig", "BCOTrainer"]
@@ -61,7 +61,11 @@ class _MicroBatch(ChunkPlan):
     weights: torch.Tensor | None  # [N] UDM's per-row loss weights (from the dataset, so fixed per row); None: off
 
 
-class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
+# TRL's KTOTrainer, also when slimrl's KTO is patched into trl before this module is imported
+TRLKTOTrainer = trl_original("trl", "KTOTrainer")
+
+
+class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, TRLKTOTrainer):
     """BCO (arXiv:2404.04656) with TRL 0.2x's interface, its sequences run in chunks. Reference = `ref_model`, else
     the policy's "ref" adapter or the policy with its adapter disabled, else a copy of the initial policy."""
 
@@ -114,7 +118,7 @@ class BCOTrainer(SlimTrainerMixin, ChunkedTrainerMixin, trl.KTOTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # contract: TRL's tokenised dataset (prompt_ids, completion_ids, label), its prompts and completions cut to
         # max_prompt_length and max_completion_length before the examples whose prompt fills max_length are dropped
-        with data.without_kto_weight_advice(trl.KTOTrainer.__module__):
+        with data.without_kto_weight_advice(TRLKTOTrainer.__module__):
             prepared = super()._prepare_dataset(dataset, processing_class, data.WithoutDrop(args), dataset_name)
         prepared = data.truncate(prepared, args, dataset_name)
         data.report_dropped(prepared, dataset, args, dataset_name)
