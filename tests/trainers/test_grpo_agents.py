@@ -17,6 +17,11 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 TOOL_CALL = '<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
 BACKENDS = ("transformers", "engine")
+# Completion budgets (tokens; the prompts, with the tools' schema, are 630 to 780). A tool run's completion is the
+# scripted call (72), the tool result's turn (55) and the backend's next turn, cut to what is left of the budget
+# (TRL drops a tool result that would overrun it); 136 leaves that turn 9 tokens. The environment runs, whose random
+# policy never calls a tool, get 64: at this seed one of their completions ends with EOS before it, the rest are cut.
+TOOL_RUN_BUDGET, ENVIRONMENT_RUN_BUDGET = 136, 64
 
 
 def mul(a: int, b: int) -> int:
@@ -49,8 +54,8 @@ def questions(n: int = 8, **extra) -> Dataset:
 
 
 def agent_trainer(backend: str, reward_funcs, dataset=None, config=None, **trainer_kwargs):
-    settings = dict(generation_backend=backend, max_steps=2, logging_steps=1, max_completion_length=192, seed=11,
-                    learning_rate=5e-3, per_device_train_batch_size=4, num_generations=2)  # fmt: skip
+    settings = dict(generation_backend=backend, max_steps=2, logging_steps=1, max_completion_length=TOOL_RUN_BUDGET,
+                    seed=11, learning_rate=5e-3, per_device_train_batch_size=4, num_generations=2)  # fmt: skip
     settings.update(config or {})
     model = tiny_model("llama", max_position_embeddings=4096)
     return build_trainer("slimrl", model=model, reward_funcs=reward_funcs, dataset=dataset,
@@ -136,7 +141,8 @@ class Echo(Counter):
 def test_environment_owned_reward_trains_the_same_on_the_engine():
     logs = {}
     for backend in BACKENDS:
-        trainer = agent_trainer(backend, reward_funcs=None, dataset=questions(), environment_factory=Counter)
+        trainer = agent_trainer(backend, reward_funcs=None, dataset=questions(), environment_factory=Counter,
+                                config={"max_completion_length": ENVIRONMENT_RUN_BUDGET})  # fmt: skip
         trainer.train()
         logs[backend] = trainer.state.log_history
         assert trainer.reward_func_names == ["Counter"]
@@ -150,7 +156,8 @@ def test_several_environments_from_an_environment_column_train_the_same_on_the_e
     logs = {}
     for backend in BACKENDS:
         trainer = agent_trainer(backend, reward_funcs=mentions_twelve, dataset=Dataset.from_list(rows),
-                                environment_factory={"counter": Counter, "plain": Echo})  # fmt: skip
+                                environment_factory={"counter": Counter, "plain": Echo},
+                                config={"max_completion_length": ENVIRONMENT_RUN_BUDGET})  # fmt: skip
         trainer.train()
         logs[backend] = trainer.state.log_history
         assert trainer.reward_func_names == ["mentions_twelve", "Counter"]

@@ -266,7 +266,8 @@ def argument_run(kind: str, argument: str, tmp_path) -> tuple[list[dict], dict]:
     reward_funcs = digit_reward
     model = None
     if argument == "eval_dataset":
-        extra["eval_dataset"] = {"a": tiny_prompt_dataset(4), "b": tiny_prompt_dataset(8)}
+        # eval batches of 4 rows are one prompt's 4 generations: "b" is evaluated in two batches, "a" in one
+        extra["eval_dataset"] = {"a": tiny_prompt_dataset(1), "b": tiny_prompt_dataset(2)}
     elif argument == "reward_processing_classes":
         config = tiny_model("llama").config
         config.num_labels = 1
