@@ -12,6 +12,7 @@ import trl
 
 import slimrl
 from slimrl import patching
+from slimrl.trainers.common.trl_originals import trl_original
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +42,7 @@ def test_patch_rebinds_every_public_name_to_slimrl():
     assert GRPOTrainer is slimrl.GRPOTrainer and GRPOConfig is slimrl.GRPOConfig
     assert trl.trainer.GRPOTrainer is slimrl.GRPOTrainer
     assert grpo_trainer.GRPOTrainer is slimrl.GRPOTrainer and grpo_config.GRPOConfig is slimrl.GRPOConfig
-    assert issubclass(slimrl.GRPOTrainer, patching._originals[("trl", "GRPOTrainer")])
+    assert issubclass(slimrl.GRPOTrainer, trl_original("trl", "GRPOTrainer"))
 
 
 def test_patch_is_idempotent_and_unpatch_restores_originals():

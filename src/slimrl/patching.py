@@ -76,8 +76,6 @@ _ALGORITHMS: dict[str, tuple[_Binding, ...]] = {
 }
 _ALL = "all"  # PatchFastRL("all") is PatchFastRL(None)
 
-# (trl module, name) -> TRL's object, while patched; _ABSENT there: trl had no such name (PPO), so unpatch deletes it
-_originals, _ABSENT = ORIGINALS, ABSENT
 _warned_early_imports: set[str] = set()
 
 
@@ -122,8 +120,8 @@ def PatchFastRL(algorithm: str | None = None, FastLanguageModel=None) -> None:  
         for module_name in binding.trl_modules:
             module = importlib.import_module(module_name)
             key = (module_name, binding.name)
-            if key not in _originals:
-                _originals[key] = getattr(module, binding.name, _ABSENT)
+            if key not in ORIGINALS:
+                ORIGINALS[key] = getattr(module, binding.name, ABSENT)
             setattr(module, binding.name, replacement)
 
 
@@ -131,15 +129,15 @@ def unpatch(algorithm: str | None = None) -> None:
     """Restore TRL's original classes for `algorithm` (all when None). Harmless when nothing is patched."""
     for binding in _bindings_for(algorithm):
         for module_name in binding.trl_modules:
-            original = _originals.pop((module_name, binding.name), None)
-            if original is _ABSENT:
+            original = ORIGINALS.pop((module_name, binding.name), None)
+            if original is ABSENT:
                 delattr(sys.modules[module_name], binding.name)
             elif original is not None:
                 setattr(sys.modules[module_name], binding.name, original)
 
 
 def is_patched(algorithm: str) -> bool:
-    return all((m, b.name) in _originals for b in _bindings_for(algorithm) for m in b.trl_modules)
+    return all((m, b.name) in ORIGINALS for b in _bindings_for(algorithm) for m in b.trl_modules)
 
 
 def _bindings_for(algorithm: str | None) -> list[_Binding]:
@@ -156,7 +154,7 @@ def _bindings_for(algorithm: str | None) -> list[_Binding]:
 
 def _warn_if_imported_early(binding: _Binding, caller_frame) -> None:
     """Warn once when the caller (its locals or module) or __main__ already holds TRL's original class."""
-    if binding.name in _warned_early_imports or any((m, binding.name) in _originals for m in binding.trl_modules):
+    if binding.name in _warned_early_imports or any((m, binding.name) in ORIGINALS for m in binding.trl_modules):
         return
     defining = sys.modules.get(binding.trl_modules[-1])
     original = getattr(defining, binding.name, None) if defining is not None else None

@@ -214,8 +214,8 @@ def _kept_projection(module) -> LoRAProjection | str:
     it read has changed: peft's state (`_peft_state`), a module or parameter registered under the layer, its base,
     its LoRA weights or dropout (a new adapter, a replaced weight), a parameter swapped through `_parameters`, the
     scale, the dropout's p, the base weight made trainable. A reason not to fuse is looked up again at every call."""
-    kept = _PROJECTIONS.get(module)
-    if kept is not None and kept.state == _peft_state(module):
+    kept, state = _PROJECTIONS.get(module), _peft_state(module)
+    if kept is not None and kept.state == state:
         found = kept.found
         if (kept.base._parameters.get("weight") is found.weight and kept.base._parameters.get("bias") is found.bias
                 and kept.lora_a._parameters.get("weight") is found.lora_a
@@ -231,7 +231,7 @@ def _kept_projection(module) -> LoRAProjection | str:
     parts = dict(base=module.get_base_layer(), lora_a=module.lora_A[adapter], lora_b=module.lora_B[adapter])
     watch_registrations([module, module.lora_A, module.lora_B, module.lora_dropout, *parts.values()])
     dropout_p = getattr(module.lora_dropout[adapter], "p", None)
-    _PROJECTIONS[module] = _Kept(_peft_state(module), found, adapter=adapter, dropout_p=dropout_p, **parts)
+    _PROJECTIONS[module] = _Kept(state, found, adapter=adapter, dropout_p=dropout_p, **parts)
     return found
 
 

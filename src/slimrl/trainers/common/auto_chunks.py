@@ -16,14 +16,14 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     from slimrl.models.checkpointing import offload_state
     from slimrl.trainers.common.memory import ChunkCosts, choose_num_chunks
 
-    model, trainable, dtype = _model_facts(trainer)
+    model, trainable = _unwrapped_and_trainable(trainer)
     state = offload_state(model)  # the model's own offloading settings, when it has them
     free_bytes, _ = torch.cuda.mem_get_info(device)
     # gradients the step's first backward will allocate (those already there are outside the free memory)
     gradient_bytes = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     costs = ChunkCosts(
         model.config,
-        dtype=dtype,
+        dtype=model.dtype,
         offloaded=state is not None,
         mlp_tile_tokens=state.mlp_tile_tokens if state is not None else 0,
         gradient_bytes=gradient_bytes,
@@ -36,13 +36,13 @@ def auto_num_chunks(trainer, lengths: list[int], device: torch.device) -> int:
     return choice.num_chunks
 
 
-def _model_facts(trainer) -> tuple[torch.nn.Module, list[torch.Tensor], torch.dtype]:
-    """(the unwrapped model, its trainable parameters, its dtype), found once per `trainer.model`: accelerate's
-    unwrap walks every module to look for compiled regions, and listing the parameters walks them again (together
-    milliseconds of host time at every step of a LoRA model); the list only sizes the gradients in a memory estimate."""
+def _unwrapped_and_trainable(trainer) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """(the unwrapped model, its trainable parameters), found once per `trainer.model`: accelerate's unwrap walks every
+    module to look for compiled regions, and listing the parameters walks them again (together milliseconds of host
+    time at every step of a LoRA model); the list only sizes the gradients in a memory estimate."""
     cached = getattr(trainer, "_slimrl_auto_chunks_model", None)
     if cached is None or cached[0] is not trainer.model:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        cached = trainer._slimrl_auto_chunks_model = (trainer.model, model, trainable, model.dtype)
-    return cached[1:]
+        cached = trainer._slimrl_auto_chunks_model = (trainer.model, model, [p for p in model.parameters()
+                                                                             if p.requires_grad])  # fmt: skip
+    return cached[1], cached[2]
