@@ -158,21 +158,19 @@ def test_a_trainer_built_on_another_ones_trl_class_takes_trls_whenever_it_is_fir
     from trl.trainer.kto_config import KTOConfig as TRLKTOConfig
     from trl.trainer.kto_trainer import KTOTrainer as TRLKTOTrainer
 
-    for name in [m for m in sys.modules if m.startswith("slimrl.trainers.bco")]:
-        monkeypatch.delitem(sys.modules, name)  # restored after the test
+    from slimrl.trainers.common.slim_fields import SlimFields
+
+    def forget_bco():  # its modules are imported afresh next time (monkeypatch restores them after the test)
+        for name in [m for m in sys.modules if m.startswith("slimrl.trainers.bco")]:
+            monkeypatch.delitem(sys.modules, name)
+
+    forget_bco()
     slimrl.PatchFastRL("kto")
     assert trl.KTOConfig is slimrl.KTOConfig
     bco = importlib.import_module("slimrl.trainers.bco.trainer")
-    assert bco.BCOConfig.__mro__[1:3] == (patching_slim_fields(), TRLKTOConfig)
+    assert bco.BCOConfig.__mro__[1:3] == (SlimFields, TRLKTOConfig)
     assert TRLKTOTrainer in bco.BCOTrainer.__mro__ and slimrl.KTOTrainer not in bco.BCOTrainer.__mro__
     slimrl.unpatch()
-    for name in [m for m in sys.modules if m.startswith("slimrl.trainers.bco")]:
-        monkeypatch.delitem(sys.modules, name)
+    forget_bco()
     slimrl.PatchFastRL()  # every trainer, BCO's module imported after KTO's binding would be
     assert trl.BCOTrainer.__module__ == "slimrl.trainers.bco.trainer" and TRLKTOTrainer in trl.BCOTrainer.__mro__
-
-
-def patching_slim_fields():
-    from slimrl.trainers.common.slim_fields import SlimFields
-
-    return SlimFields
