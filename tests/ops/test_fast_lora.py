@@ -54,7 +54,7 @@ def assert_same(expected, actual, label, kind="fp32"):
 
 
 def counting(monkeypatch, name):
-    """Count the calls of fast_lora's `name` (lora_mlp, lora_linear or rope)."""
+    """Count the calls of fast_lora's `name` (lora_mlp, lora_linear, lora_qkv or rope)."""
     calls = []
     original = getattr(fast_lora, name)
     monkeypatch.setattr(fast_lora, name, lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -68,9 +68,10 @@ def test_loss_logits_and_lora_grads_equal_with_fast_lora_on_and_off(arch, monkey
     assert describe_fast_lora(model) == SWITCHED and is_fast_lora(model)
     assert enable_fast_lora(model) == 0  # idempotent
     mlp_calls, linear_calls = counting(monkeypatch, "lora_mlp"), counting(monkeypatch, "lora_linear")
-    rope_calls = counting(monkeypatch, "rope")
+    qkv_calls, rope_calls = counting(monkeypatch, "lora_qkv"), counting(monkeypatch, "rope")
     fast = loss_and_grads(model)
-    assert (len(mlp_calls), len(linear_calls), len(rope_calls)) == (2, 8, 2)  # the fused Functions ran
+    # the fused Functions ran: per layer the MLP, o_proj, and q/k/v with the rotation inside
+    assert (len(mlp_calls), len(linear_calls), len(qkv_calls), len(rope_calls)) == (2, 2, 2, 0)
     assert all(n.endswith("lora_A.default.weight") or n.endswith("lora_B.default.weight") for n in fast[2])
     assert_same(reference, fast, "fast LoRA")
 
@@ -158,9 +159,10 @@ def test_4bit_base_through_bitsandbytes_on_the_cpu(tmp_path, monkeypatch):
     enable_fast_lora(model)
     assert describe_fast_lora(model) == SWITCHED  # Linear4bit bases fused, dequantised inside the Functions
     mlp_calls, linear_calls = counting(monkeypatch, "lora_mlp"), counting(monkeypatch, "lora_linear")
+    qkv_calls = counting(monkeypatch, "lora_qkv")
     fast = loss_and_grads(model)
     # each in the forward and again in the recompute of the gradient checkpointing get_peft_model turns on
-    assert (len(mlp_calls), len(linear_calls)) == (4, 16)
+    assert (len(mlp_calls), len(linear_calls), len(qkv_calls)) == (4, 4, 4)
     # both dequantise the same NF4 weights; bitsandbytes' CPU matmul sums in another order
     assert_same(reference, fast, "4-bit base", kind="fp32_sum")
 

@@ -122,8 +122,13 @@ def step(model, ids, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_forward_equals_the_blocks_own(arch, dtype, monkeypatch):
     """Two copies of one model, projections fused in both (peft's own forwards would differ in the last bits
-    otherwise), one with the attention block switched: equal logits and LoRA gradients, bit for bit."""
+    otherwise), one with the attention block switched: equal logits and LoRA gradients, bit for bit. The q/k/v
+    projections stay separate here (the rotation after them, as where they cannot be fused together);
+    tests/ops/test_lora_qkv.py covers the block with them fused and the rotation inside."""
+    from slimrl.models import fast_lora
     from slimrl.ops.kernels import rope as rope_kernels
+
+    monkeypatch.setattr(fast_lora, "_fused_qkv", lambda attn, hidden_states: None)
 
     ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 13, 14, 15]])  # odd length, left padding (the interpreter is slow)
     mask = (ids != 0).long()
@@ -154,10 +159,14 @@ def test_generation_with_a_cache_takes_the_models_forward():
 
 
 @pytest.mark.cuda
-def test_w1_shapes_on_cuda_have_eagers_bits():
+def test_w1_shapes_on_cuda_have_eagers_bits(monkeypatch):
     """Qwen2.5-1.5B's attention shape (12 query heads, 2 key/value heads, head_dim 128) in bf16, compiled: forward and
-    backward equal to eager's on the GPU; then a tiny Qwen2's attention block with and without the switch."""
+    backward equal to eager's on the GPU; then a tiny Qwen2's attention block with and without the switch (q/k/v
+    separate, as in the test above)."""
+    from slimrl.models import fast_lora
     from slimrl.ops.kernels.rope import rope as kernel
+
+    monkeypatch.setattr(fast_lora, "_fused_qkv", lambda attn, hidden_states: None)
 
     q, k = (t.cuda() for t in qk(2, 1031, 12, 2, 128, torch.bfloat16))
     cos, sin = (t.cuda() for t in trig(1, 1031, 128, torch.bfloat16))

@@ -3,11 +3,13 @@
 `enable_fast_lora(model)` gives the modules of supported decoder layers (Llama, Qwen2, Qwen3, Mistral) an instance
 forward that runs
 - the MLP (gate, up, down all LoRA) as `ops.lora_mlp.lora_mlp`: one Function, the gated product in a Triton kernel;
-- each attention projection (q, k, v, o) and any LoRA projection of an MLP that cannot be fused as
-  `ops.lora_linear.lora_linear`;
+- the attention block's q, k and v projections together as `ops.lora_qkv.lora_qkv` (one Function, the rotary
+  embedding applied in place inside it), o and any projection that cannot go there (a q/k/v of a block whose other
+  projections keep peft's forward, any LoRA projection of an MLP that cannot be fused) as `ops.lora_linear.lora_linear`;
 - the two RMSNorms through `ops.kernels.rms_norm` where the kernels run (CUDA, or Triton's interpreter);
 - the attention block (Llama, Qwen2, Qwen3, Mistral) as transformers writes it, but with the rotary embedding of q
-  and k in one Triton launch each way (`ops.rope.rope`, eager's bits) instead of eager's ten element-wise kernels.
+  and k in one Triton launch each way (inside `lora_qkv`, or `ops.rope.rope` after Qwen3's q/k norms; eager's bits)
+  instead of eager's ten element-wise kernels.
   A call with a KV cache (generation) takes the model's own forward.
 `disable_fast_lora(model)` removes those forwards again. Each call uses the adapter, scale and base weight the peft
 layer holds then (what was found at an earlier call is reused only while the layer's state, modules, parameters, scale
@@ -42,12 +44,14 @@ from slimrl.ops import kernels
 from slimrl.ops.fused import FUSED_FORWARD, fusable_norm
 from slimrl.ops.lora_linear import LoRAProjection, lora_linear, remembered
 from slimrl.ops.lora_mlp import lora_mlp
+from slimrl.ops.lora_qkv import lora_qkv
 from slimrl.ops.rope import rope
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+QKV = ATTENTION_PROJECTIONS[:3]
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -297,6 +301,41 @@ def _fast_norm_forward(norm, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
 
+def _rotated_qkv(attn, hidden_states: torch.Tensor, position_embeddings):
+    """(query, key rotated, value) as [batch, tokens, heads, head_dim]: the three projections as one fused Function
+    with the rotation in place (`ops.lora_qkv`) when all three run fused now, else each through its own forward; Qwen3's
+    q/k norms go between the projections and the rotation."""
+    normed = getattr(attn, "q_norm", None) is not None  # Qwen3: RMSNorm per head before the rotation
+    found = _fused_qkv(attn, hidden_states)
+    if found is not None:
+        query, key, value = lora_qkv(hidden_states, *found, attn.head_dim, *(() if normed else position_embeddings))
+    else:
+        shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
+        query, key, value = (getattr(attn, name)(hidden_states).view(shape) for name in QKV)
+    if normed:
+        query, key = attn.q_norm(query), attn.k_norm(key)
+    if normed or found is None:
+        query, key = rope(query, key, *position_embeddings)
+    return query, key, value
+
+
+def _fused_qkv(attn, hidden_states: torch.Tensor) -> list[LoRAProjection] | None:
+    """The q, k and v projections as `lora_qkv` takes them, when each is switched to the fused forward, has no forward
+    hook that a direct call would skip, and can run fused now; else None."""
+    if hidden_states.dtype not in DTYPES:
+        return None
+    found = []
+    for name in QKV:
+        module = getattr(attn, name)
+        if FUSED_FORWARD not in vars(module) or module._forward_hooks or module._forward_pre_hooks:
+            return None
+        projection = _current_projection(module)
+        if isinstance(projection, str):
+            return None
+        found.append(projection)
+    return found
+
+
 def _attention_reason(attn) -> str | None:
     """Why this attention block keeps its own forward (None: `_fast_attention_forward` reproduces it)."""
     kind = type(attn).__name__
@@ -328,12 +367,7 @@ def _fast_attention_forward(attn, hidden_states: torch.Tensor, position_embeddin
     if args or cached or position_embeddings is None:
         return _previous_forward(attn)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     kwargs = {key: value for key, value in kwargs.items() if key not in ("cache", "past_key_values")}
-    shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
-    query, key = attn.q_proj(hidden_states).view(shape), attn.k_proj(hidden_states).view(shape)
-    value = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
-        query, key = attn.q_norm(query), attn.k_norm(key)
-    query, key = rope(query, key, *position_embeddings)
+    query, key, value = _rotated_qkv(attn, hidden_states, position_embeddings)
     where = SLIDING_WINDOW[type(attn).__name__]
     if where is not None:
         kwargs["sliding_window"] = attn.sliding_window if where == "module" else getattr(attn.config,
@@ -342,7 +376,7 @@ def _fast_attention_forward(attn, hidden_states: torch.Tensor, position_embeddin
     interface = _attention_functions().get_interface(attn.config._attn_implementation, eager)
     call = interface if attn.config._attn_implementation == "eager" else functools.partial(attention_store.attention,
                                                                                              interface)  # fmt: skip
-    out, weights = call(attn, query.transpose(1, 2), key.transpose(1, 2), value, attention_mask,
+    out, weights = call(attn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
                         dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **kwargs)
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
     return attn.o_proj(out), weights

@@ -103,6 +103,17 @@ def check_frozen(projection: LoRAProjection, name: str = "projection") -> None:
                          "(weight.requires_grad_(False)) or use peft's forward (disable_fast_lora).")
 
 
+def full_weight(weight: torch.Tensor, dequantize: Callable | None, dtype: torch.dtype) -> torch.Tensor:
+    """A Function's base weight as its GEMMs take it: as given, or dequantised to `dtype` from a packed one."""
+    return weight if dequantize is None else dequantize(weight).to(dtype)
+
+
+def project(x, weight, bias, shrunk, lora_b, scale: float) -> torch.Tensor:
+    """x W^T + b + s shrunk B^T, the LoRA expand accumulated into the base GEMM's output."""
+    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    return out.addmm_(shrunk, lora_b.t(), alpha=scale)
+
+
 def lora_linear(x: torch.Tensor, projection: LoRAProjection) -> torch.Tensor:
     """The fused LoRA projection of x [..., in] -> [..., out] in the compute dtype (see `compute_dtype`)."""
     check_frozen(projection)
@@ -122,10 +133,8 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, dequantize):
-        full = weight if dequantize is None else dequantize(weight).to(x.dtype)
         shrunk = x @ lora_a.t()  # [tokens, r]
-        out = x @ full.t() if bias is None else torch.addmm(bias, x, full.t())
-        out.addmm_(shrunk, lora_b.t(), alpha=scale)  # the LoRA term added inside its GEMM
+        out = project(x, full_weight(weight, dequantize, x.dtype), bias, shrunk, lora_b, scale)
         ctx.save_for_backward(x, shrunk, weight, lora_a, lora_b)
         ctx.scale, ctx.dequantize, ctx.has_bias = scale, dequantize, bias is not None
         return out
@@ -141,7 +150,7 @@ class LoRALinearFunction(torch.autograd.Function):
             grad_a = torch.mm(grad_shrunk.t(), x).mul_(scale) if ctx.needs_input_grad[3] else None
             grad_x = None
             if ctx.needs_input_grad[0]:
-                full = weight if ctx.dequantize is None else ctx.dequantize(weight).to(x.dtype)
+                full = full_weight(weight, ctx.dequantize, x.dtype)
                 grad_x = grad_out @ full
                 del full  # a dequantised base goes before the next GEMM's output is made
                 grad_x.addmm_(grad_shrunk, lora_a, alpha=scale)

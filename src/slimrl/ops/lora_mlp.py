@@ -34,7 +34,15 @@ import torch
 import torch.nn.functional as F
 
 from slimrl.ops import kernels
-from slimrl.ops.lora_linear import LoRAProjection, cast, check_frozen, compute_dtype, lora_linear_reference
+from slimrl.ops.lora_linear import (
+    LoRAProjection,
+    cast,
+    check_frozen,
+    compute_dtype,
+    full_weight,
+    lora_linear_reference,
+    project,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU: Llama, Qwen2/3, Mistral; GELU-tanh: Gemma's gelu_pytorch_tanh
 
@@ -105,16 +113,6 @@ def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: Lo
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _full(weight: torch.Tensor, dequantize, dtype: torch.dtype) -> torch.Tensor:
-    return weight if dequantize is None else dequantize(weight).to(dtype)
-
-
-def _project(x, weight, bias, shrunk, lora_b, scale: float) -> torch.Tensor:
-    """x W^T + b + s shrunk B^T, the LoRA expand accumulated into the base GEMM's output."""
-    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-    return out.addmm_(shrunk, lora_b.t(), alpha=scale)
-
-
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     if kernels.runs_here(gate):
         from slimrl.ops.kernels.glu import glu_forward
@@ -144,11 +142,11 @@ class LoRAMLPFunction(torch.autograd.Function):
         (s_g, s_u, s_d), (deq_g, deq_u, deq_d) = spec.scales, spec.dequantize
         rank_g = a_g.shape[0]
         shrunk = x @ torch.cat([a_g, a_u]).t()  # [N, r_g + r_u]; the cat is [r_g + r_u, hidden], small
-        gate = _project(x, _full(w_g, deq_g, x.dtype), bias_g, shrunk[:, :rank_g], b_g, s_g)  # [N, I]
-        up = _project(x, _full(w_u, deq_u, x.dtype), bias_u, shrunk[:, rank_g:], b_u, s_u)  # [N, I]
+        gate = project(x, full_weight(w_g, deq_g, x.dtype), bias_g, shrunk[:, :rank_g], b_g, s_g)  # [N, I]
+        up = project(x, full_weight(w_u, deq_u, x.dtype), bias_u, shrunk[:, rank_g:], b_u, s_u)  # [N, I]
         h = _glu(gate, up, spec.activation)  # [N, I], freed when the forward returns
         down_shrunk = h @ a_d.t()  # [N, r_d]
-        out = _project(h, _full(w_d, deq_d, x.dtype), bias_d, down_shrunk, b_d, s_d)
+        out = project(h, full_weight(w_d, deq_d, x.dtype), bias_d, down_shrunk, b_d, s_d)
         ctx.spec = spec
         ctx.save_for_backward(x, gate, up, shrunk, down_shrunk, *tensors)
         return out
@@ -179,7 +177,7 @@ def _down_backward(grad_out, down_shrunk, down_tensors, spec: _Spec, need):
     grad_down_shrunk = grad_out @ b_d
     grad_b = torch.mm(grad_out.t(), down_shrunk).mul_(s_d) if need[3] else None
     grad_bias = grad_out.sum(0) if bias_d is not None and need[1] else None
-    grad_h = grad_out @ _full(w_d, spec.dequantize[2], grad_out.dtype)
+    grad_h = grad_out @ full_weight(w_d, spec.dequantize[2], grad_out.dtype)
     grad_h.addmm_(grad_down_shrunk, a_d, alpha=s_d)
     return grad_h, grad_down_shrunk, [None, grad_bias, None, grad_b]
 
@@ -198,8 +196,8 @@ def _gate_up_backward(x, grad_gate, grad_up, shrunk, tensors, spec: _Spec, need_
     grad_bias_u = grad_up.sum(0) if bias_u is not None and need[5] else None
     grad_x = None
     if need_x:  # dG W_g + dU W_u + grad_shrunk [A_gate; A_up], accumulated in one buffer
-        grad_x = grad_gate @ _full(w_g, deq_g, x.dtype)
-        grad_x.addmm_(grad_up, _full(w_u, deq_u, x.dtype))
+        grad_x = grad_gate @ full_weight(w_g, deq_g, x.dtype)
+        grad_x.addmm_(grad_up, full_weight(w_u, deq_u, x.dtype))
         grad_x.addmm_(grad_shrunk, torch.cat([a_g, a_u]))
     grad_a_g = grad_a[:rank_g] if need[2] else None
     grad_a_u = grad_a[rank_g:] if need[6] else None

@@ -24,6 +24,19 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def rope_backward_reference(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(d q, d k) of `rope_reference` from its outputs' gradients, rounded as autograd rounds them: each path's
+    product (g cos; g sin through rotate_half's transpose, [y2, -y1]), then their sum."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def back(g):
+        half = g.shape[-1] // 2
+        turned = g * sin
+        return g * cos + torch.cat((turned[..., half:], -turned[..., :half]), dim=-1)
+
+    return back(grad_q), back(grad_k)
+
+
 def kernel_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rope` runs the kernels on these: Triton runs here, one dtype throughout (a promoting product is left
     to eager), an even head_dim, and cos / sin of [batch or 1, tokens, head_dim] that need no gradient."""

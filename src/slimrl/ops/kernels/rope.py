@@ -14,7 +14,8 @@ and fp32. The backward's input gradient is rounded as autograd rounds it: each p
 
 q and k come in the [batch, tokens, heads, head_dim] layout (the projection's output viewed per head; any strides
 with a contiguous last dimension), cos and sin as the rotary embedding gives them, [batch or 1, tokens, head_dim],
-in q's dtype. Outputs are new contiguous tensors of q's and k's shapes.
+in q's dtype. Outputs are new contiguous tensors of q's and k's shapes; `rotate_` writes the forward's over
+contiguous q and k instead (the fused q/k/v projection of `ops.lora_qkv` rotates its own outputs in place).
 """
 
 from __future__ import annotations
@@ -100,13 +101,20 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
-    """(q rotated, k rotated) as new contiguous tensors; one launch."""
-    q, k = _last_contiguous(q), _last_contiguous(k)
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+            in_place: bool = False):  # fmt: skip
+    """(q rotated, k rotated) as new contiguous tensors, or with `in_place` written over q and k themselves (both
+    contiguous: each program reads a row's two halves before it writes them); one launch."""
+    if in_place:
+        if not (q.is_contiguous() and k.is_contiguous()):
+            raise ValueError("an in-place rotation needs contiguous q and k")
+        q_out, k_out = q, k
+    else:
+        q, k = _last_contiguous(q), _last_contiguous(k)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     batch, tokens, q_heads, dim = q.shape
     k_heads = k.shape[2]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     rows = batch * tokens
     if rows == 0:
         return q_out, k_out
@@ -144,3 +152,13 @@ class RoPEFunction(torch.autograd.Function):
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`slimrl.ops.rope.rope_reference` through the kernels; same arguments and layout."""
     return RoPEFunction.apply(q, k, cos, sin)
+
+
+def rotate_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate contiguous q and k in place (no autograd; `ops.lora_qkv` calls it on its own fresh outputs)."""
+    _rotate(q, k, cos.contiguous(), sin.contiguous(), backward=False, in_place=True)
+
+
+def unrotate(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The rotation's backward: (d q, d k) from the rotated outputs' gradients, as new contiguous tensors."""
+    return _rotate(grad_q, grad_k, cos.contiguous(), sin.contiguous(), backward=True)
