@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimrl.ops.lora_linear import LoRALinearFunction, LoRAProjection, lora_linear, lora_linear_reference
+from slimrl.ops.lora_linear import LoRALinearFunction, LoRAProjection, lora_linear, lora_linear_reference, scaled_mm
 from tests.tolerances import assert_close
 
 # (tokens, in, out, rank, bias): tokens 1, 7, 33; widths 48 / 96 / 136; ranks 4 and 8; with and without bias
@@ -171,3 +171,18 @@ def test_w1_shapes_on_cuda():
     assert relative_error(got, want) < 0.02
     for name, a, b in zip(["x", "bias", "lora_a", "lora_b"], got_grads, want_grads, strict=True):
         assert relative_error(a, b) < 0.02, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_writes_one_scaled_gemm_over_whatever_was_there(dtype):
+    """The backward's scaled GEMMs: alpha inside the GEMM equals the product then the scale (fp32 exactly; bf16 within
+    one rounding), written into a column slice of a NaN-filled buffer without reading it or touching its neighbours."""
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(9, 33, generator=g).to(dtype), torch.randn(33, 5, generator=g).to(dtype)
+    buffer = torch.full((9, 12), float("nan"), dtype=dtype)
+    got = scaled_mm(a, b, 0.37, out=buffer[:, 4:9])
+    want = (a.double() @ b.double()) * 0.37
+    assert got.data_ptr() == buffer[:, 4:9].data_ptr() and not got.isnan().any()
+    assert buffer[:, :4].isnan().all() and buffer[:, 9:].isnan().all()
+    assert_close(got, want, "fp32" if dtype == torch.float32 else "bf16", name="scaled product")
+    assert_close(scaled_mm(a, b, 0.37), want, "fp32" if dtype == torch.float32 else "bf16", name="new tensor")

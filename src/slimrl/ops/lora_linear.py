@@ -8,6 +8,8 @@ backward), and autograd saves x for each GEMM and x A^T for the last. Here the L
     dA = s (dY B)^T x            [r, in]
     dX = dY W + s (dY B) A       [tokens, in]   (the second term added inside its GEMM into the first's buffer)
 
+(each scale the alpha of its GEMM: `scaled_mm`).
+
 Only x and x A^T ([tokens, r]) are saved besides the weights. W stays frozen (no dW). A 4-bit base is passed as its
 packed weight with a `dequantize` callable: the full-precision W exists only inside the forward and again inside
 the backward, never between them.
@@ -114,6 +116,14 @@ def project(x, weight, bias, shrunk, lora_b, scale: float) -> torch.Tensor:
     return out.addmm_(shrunk, lora_b.t(), alpha=scale)
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * (a @ b) as one GEMM, the scale its alpha (applied before the result's one rounding, no separate
+    multiplication), written into `out` (a column slice of a wider buffer will do) or a new tensor."""
+    if out is None:
+        out = a.new_empty(a.shape[0], b.shape[1])
+    return out.addmm_(a, b, beta=0, alpha=scale)  # beta 0: out's old contents are never read
+
+
 def lora_linear(x: torch.Tensor, projection: LoRAProjection) -> torch.Tensor:
     """The fused LoRA projection of x [..., in] -> [..., out] in the compute dtype (see `compute_dtype`)."""
     check_frozen(projection)
@@ -145,9 +155,9 @@ class LoRALinearFunction(torch.autograd.Function):
         scale = ctx.scale
         with torch.autocast(grad_out.device.type, enabled=False):  # a recompute's backward may run under autocast
             grad_out = grad_out.to(x.dtype)
-            grad_b = torch.mm(grad_out.t(), shrunk).mul_(scale) if ctx.needs_input_grad[4] else None
+            grad_b = scaled_mm(grad_out.t(), shrunk, scale) if ctx.needs_input_grad[4] else None
             grad_shrunk = grad_out @ lora_b  # d loss / d (x A^T), unscaled: [tokens, r]
-            grad_a = torch.mm(grad_shrunk.t(), x).mul_(scale) if ctx.needs_input_grad[3] else None
+            grad_a = scaled_mm(grad_shrunk.t(), x, scale) if ctx.needs_input_grad[3] else None
             grad_x = None
             if ctx.needs_input_grad[0]:
                 full = full_weight(weight, ctx.dequantize, x.dtype)

@@ -7,16 +7,17 @@ Forward, per call ([tokens, hidden] in, N = tokens, I = intermediate, r = ranks)
     up     = the same with W_u, B_u, s_u         [N, I]
     h      = act(gate) * up                      [N, I]          one Triton pass (ops/kernels/glu.py)
     out    = h W_d^T + b_d + s_d (h A_d^T) B_d^T [N, hidden]
-Saved: x, gate, up, shrunk and h A_d^T. h is NOT saved: the backward's element-wise kernel reads gate and up anyway
-and recomputes h in the same pass, so the Function keeps 2 [N, I] tensors where peft's chain keeps 4 (gate,
-act(gate), up, h). The backward then writes h, d gate and d up over the buffers of d h, gate and up (in place), so it
-allocates no further [N, I] tensor either: its peak is the three it holds.
+Saved: x, gate, up, shrunk, h A_d^T and [A_gate; A_up] (small). h is NOT saved: the backward's element-wise kernel
+reads gate and up anyway and recomputes h in the same pass, so the Function keeps 2 [N, I] tensors where peft's
+chain keeps 4 (gate, act(gate), up, h). The backward then writes h, d gate and d up over the buffers of d h, gate and
+up (in place), so it allocates no further [N, I] tensor either: its peak is the three it holds.
 
 Backward (dY [N, hidden]):
     dB_d = s_d dY^T (h A_d^T);  dH = dY W_d + s_d (dY B_d) A_d;  (h, dG, dU) = glu_backward(dH, gate, up)
     dA_d = s_d (dY B_d)^T h;    dB_g = s_g dG^T shrunk_g;  dB_u = s_u dU^T shrunk_u
     dX   = dG W_g + dU W_u + [s_g dG B_g, s_u dU B_u] [A_gate; A_up]  (three GEMMs into one buffer)
     [dA_gate; dA_up] = [s_g dG B_g, s_u dU B_u]^T x   (one GEMM)
+Every scale is the alpha of its GEMM (`lora_linear.scaled_mm`): no separate multiplications.
 Base weights stay frozen; a 4-bit base is dequantised in the forward and again in the backward, one projection at a
 time. Dtypes as in `slimrl.ops.lora_linear` (one compute dtype; autocast's when on). The in-place backward means a
 second backward through the same graph (retain_graph) fails loudly in autograd's version check; `in_place=False`
@@ -42,6 +43,7 @@ from slimrl.ops.lora_linear import (
     full_weight,
     lora_linear_reference,
     project,
+    scaled_mm,
 )
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU: Llama, Qwen2/3, Mistral; GELU-tanh: Gemma's gelu_pytorch_tanh
@@ -141,19 +143,20 @@ class LoRAMLPFunction(torch.autograd.Function):
                                                                                       for i in (0, 4, 8))  # fmt: skip
         (s_g, s_u, s_d), (deq_g, deq_u, deq_d) = spec.scales, spec.dequantize
         rank_g = a_g.shape[0]
-        shrunk = x @ torch.cat([a_g, a_u]).t()  # [N, r_g + r_u]; the cat is [r_g + r_u, hidden], small
+        stacked = torch.cat([a_g, a_u])  # [r_g + r_u, hidden], small; the backward's dX takes it too
+        shrunk = x @ stacked.t()  # [N, r_g + r_u]
         gate = project(x, full_weight(w_g, deq_g, x.dtype), bias_g, shrunk[:, :rank_g], b_g, s_g)  # [N, I]
         up = project(x, full_weight(w_u, deq_u, x.dtype), bias_u, shrunk[:, rank_g:], b_u, s_u)  # [N, I]
         h = _glu(gate, up, spec.activation)  # [N, I], freed when the forward returns
         down_shrunk = h @ a_d.t()  # [N, r_d]
         out = project(h, full_weight(w_d, deq_d, x.dtype), bias_d, down_shrunk, b_d, s_d)
         ctx.spec = spec
-        ctx.save_for_backward(x, gate, up, shrunk, down_shrunk, *tensors)
+        ctx.save_for_backward(x, gate, up, shrunk, down_shrunk, stacked, *tensors)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, gate, up, shrunk, down_shrunk, *tensors = ctx.saved_tensors
+        x, gate, up, shrunk, down_shrunk, stacked, *tensors = ctx.saved_tensors
         spec, need = ctx.spec, ctx.needs_input_grad[2:]  # need: per tensor after spec, as in `tensors`
         with torch.autocast(grad_out.device.type, enabled=False):  # a recompute's backward may run under autocast
             grad_out = grad_out.to(x.dtype)
@@ -163,9 +166,9 @@ class LoRAMLPFunction(torch.autograd.Function):
             h, grad_gate, grad_up = _glu_backward(grad_h, gate, up, spec.activation)
             del grad_h, gate, up  # with the kernel their buffers now hold h, d gate and d up
             if need[10]:  # dA_d = s_d (dY B_d)^T h
-                grads_down[2] = torch.mm(grad_down_shrunk.t(), h).mul_(spec.scales[2])
+                grads_down[2] = scaled_mm(grad_down_shrunk.t(), h, spec.scales[2])
             del h
-            grad_x, grads_gate_up = _gate_up_backward(x, grad_gate, grad_up, shrunk, tensors[:8], spec,
+            grad_x, grads_gate_up = _gate_up_backward(x, grad_gate, grad_up, shrunk, stacked, tensors[:8], spec,
                                                       ctx.needs_input_grad[0], need[:8])  # fmt: skip
         return (grad_x, None, *grads_gate_up, *grads_down)
 
@@ -175,22 +178,25 @@ def _down_backward(grad_out, down_shrunk, down_tensors, spec: _Spec, need):
     w_d, bias_d, a_d, b_d = down_tensors
     s_d = spec.scales[2]
     grad_down_shrunk = grad_out @ b_d
-    grad_b = torch.mm(grad_out.t(), down_shrunk).mul_(s_d) if need[3] else None
+    grad_b = scaled_mm(grad_out.t(), down_shrunk, s_d) if need[3] else None
     grad_bias = grad_out.sum(0) if bias_d is not None and need[1] else None
     grad_h = grad_out @ full_weight(w_d, spec.dequantize[2], grad_out.dtype)
     grad_h.addmm_(grad_down_shrunk, a_d, alpha=s_d)
     return grad_h, grad_down_shrunk, [None, grad_bias, None, grad_b]
 
 
-def _gate_up_backward(x, grad_gate, grad_up, shrunk, tensors, spec: _Spec, need_x: bool, need):
-    """(dX, [None, d bias_g, dA_g, dB_g, None, d bias_u, dA_u, dB_u]); `need` as the Function's, for these."""
+def _gate_up_backward(x, grad_gate, grad_up, shrunk, stacked, tensors, spec: _Spec, need_x: bool, need):
+    """(dX, [None, d bias_g, dA_g, dB_g, None, d bias_u, dA_u, dB_u]); `need` as the Function's, for these;
+    `stacked` is [A_gate; A_up]."""
     w_g, bias_g, a_g, b_g, w_u, bias_u, a_u, b_u = tensors
     (s_g, s_u, _), (deq_g, deq_u, _) = spec.scales, spec.dequantize
     rank_g = a_g.shape[0]
-    grad_b_g = torch.mm(grad_gate.t(), shrunk[:, :rank_g]).mul_(s_g) if need[3] else None
-    grad_b_u = torch.mm(grad_up.t(), shrunk[:, rank_g:]).mul_(s_u) if need[7] else None
-    # d loss / d shrunk with the scales folded into B ([I, r], small): [N, r_g + r_u]
-    grad_shrunk = torch.cat([grad_gate @ (b_g * s_g), grad_up @ (b_u * s_u)], dim=1)
+    grad_b_g = scaled_mm(grad_gate.t(), shrunk[:, :rank_g], s_g) if need[3] else None
+    grad_b_u = scaled_mm(grad_up.t(), shrunk[:, rank_g:], s_u) if need[7] else None
+    # d loss / d shrunk, scaled: [s_g dG B_g, s_u dU B_u], two GEMMs into the column slices of one [N, r_g + r_u]
+    grad_shrunk = torch.empty_like(shrunk)
+    scaled_mm(grad_gate, b_g, s_g, out=grad_shrunk[:, :rank_g])
+    scaled_mm(grad_up, b_u, s_u, out=grad_shrunk[:, rank_g:])
     grad_a = torch.mm(grad_shrunk.t(), x) if need[2] or need[6] else None  # [r_g + r_u, hidden]: one GEMM
     grad_bias_g = grad_gate.sum(0) if bias_g is not None and need[1] else None
     grad_bias_u = grad_up.sum(0) if bias_u is not None and need[5] else None
@@ -198,7 +204,7 @@ def _gate_up_backward(x, grad_gate, grad_up, shrunk, tensors, spec: _Spec, need_
     if need_x:  # dG W_g + dU W_u + grad_shrunk [A_gate; A_up], accumulated in one buffer
         grad_x = grad_gate @ full_weight(w_g, deq_g, x.dtype)
         grad_x.addmm_(grad_up, full_weight(w_u, deq_u, x.dtype))
-        grad_x.addmm_(grad_shrunk, torch.cat([a_g, a_u]))
+        grad_x.addmm_(grad_shrunk, stacked)
     grad_a_g = grad_a[:rank_g] if need[2] else None
     grad_a_u = grad_a[rank_g:] if need[6] else None
     return grad_x, [None, grad_bias_g, grad_a_g, grad_b_g, None, grad_bias_u, grad_a_u, grad_b_u]

@@ -40,6 +40,7 @@ from slimrl.ops.lora_linear import (
     full_weight,
     lora_linear_reference,
     project,
+    scaled_mm,
 )
 from slimrl.ops.rope import rope, rope_backward_reference, rope_reference
 
@@ -168,10 +169,8 @@ def _lora_grads(x, shrunk, grads, groups, spec: _Spec, need):
     out, start = [], 0
     for j, (grad, (_, bias, lora_a, lora_b), scale) in enumerate(zip(grads, groups, spec.scales, strict=True)):
         columns = slice(start, start + lora_a.shape[0])
-        scaled[:, columns].addmm_(grad, lora_b, beta=0, alpha=scale)  # s dY B
-        grad_b = None
-        if need[4 * j + 3]:  # s dY^T shrunk
-            grad_b = torch.empty_like(lora_b).addmm_(grad.t(), shrunk[:, columns], beta=0, alpha=scale)
+        scaled_mm(grad, lora_b, scale, out=scaled[:, columns])  # s dY B
+        grad_b = scaled_mm(grad.t(), shrunk[:, columns], scale) if need[4 * j + 3] else None  # s dY^T shrunk
         grad_bias = grad.sum(0) if bias is not None and need[4 * j + 1] else None
         out.append([None, grad_bias, columns, grad_b])
         start = columns.stop
