@@ -191,7 +191,7 @@ def w1_cell(side: dict) -> str:
     return f"{gib(side['peak_GiB'])} / {side['s']:.3f}"
 
 
-TABLE_SOURCES = ("short", "short_32k", "slimrl_long", "slimrl_131072")  # the others feed the notes
+TABLE_SOURCES = ("short", "slimrl_long", "slimrl_131072")  # the others feed the notes
 
 
 def render_w1(b: dict[str, Source]) -> str:
@@ -210,15 +210,13 @@ def render_w1(b: dict[str, Source]) -> str:
     both = [row for row in rows.values() if "trl" in row]
     differ = {key: max(abs(r["slimrl"][key] / r["trl"][key] - 1) for r in both) for key in ("loss", "grad_norm")}
     lengths = [length for length, row in rows.items() if short in row["sources"]]
-    earlier = b["short_32k"]
-    (kept,) = [length for length, row in rows.items() if earlier in row["sources"]]
     repeats = len(short.get(f"results.slimrl_L{lengths[0]}.s_each"))
     note = (
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The rows up to "
         f"{lengths[-1]:,} tokens ran in one run, each side's median of {repeats} timed iterations, slimrl with its "
-        f"defaults on CUDA (fast LoRA); the {kept:,} row in an earlier run of the same kind, one timed iteration "
-        f"each, with the attention kept from the forward (the default from {kept:,} tokens). "
+        f"defaults on CUDA (fast LoRA; at {lengths[-1]:,} tokens the attention kept from the forward, the default "
+        f"from {lengths[-1]:,}). "
         f"{w1_kept_attention_note(b)} The longer rows are from before fast LoRA. {w1_spread_note(short, lengths)} "
         f"{w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
