@@ -83,6 +83,26 @@ def test_gradcheck_in_float64(rotate):
     assert torch.autograd.gradcheck(function, (x, *[t for p in projections for t in leaves(p)]))
 
 
+def test_gradients_of_any_layout_reach_the_same_result():
+    """Upstream gradients in another layout than the outputs' (column-major [tokens, width] here: the rotation's
+    kernel reads rows with a contiguous last dimension only) give the same gradients as contiguous ones."""
+    g = torch.Generator().manual_seed(6)
+    projections = make_qkv(g, 48, 3, 1, 16, (4, 8, 4), True, torch.float32)
+    x = torch.randn(10, 48, generator=g)
+    cos, sin = trig(2, 5, 16, torch.float32)
+    spec = qkv_ops._Spec((2.0, 0.5, 1.5), (None, None, None), (2, 5), 16, qkv_ops.kernels.runs_here(x))
+    upstream = [torch.randn(10, width, generator=g) for width in (48, 16, 16)]
+    results = []
+    for grads in (upstream, [u.t().contiguous().t() for u in upstream]):
+        ps, leaf = [fresh(p) for p in projections], x.clone().requires_grad_()
+        tensors = [t for p in ps for t in (p.weight, p.bias, p.lora_a, p.lora_b)]
+        outs = LoRAQKVFunction.apply(leaf, spec, cos, sin, *tensors)
+        results.append(torch.autograd.grad(outs, [leaf, *[t for p in ps for t in leaves(p)]], grads))
+    assert not upstream[0].t().contiguous().t().is_contiguous()
+    for a, b in zip(*results, strict=True):
+        assert_close(a, b, "fp32", name="gradient")
+
+
 def test_saves_x_the_shrinks_and_the_stacked_a_only():
     g = torch.Generator().manual_seed(3)
     projections = make_qkv(g, 48, 3, 1, 16, (4, 8, 4), False, torch.float32)

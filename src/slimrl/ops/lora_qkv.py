@@ -106,7 +106,7 @@ def _rotation_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype:
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos, sin, spec: _Spec, backward: bool):
     """q and k [N, width] rotated (backward: their gradients rotated back); the forward's kernel writes in place."""
     batch, tokens = spec.rows
-    q4, k4 = (t.view(batch, tokens, -1, spec.head_dim) for t in (q, k))
+    q4, k4 = (t.reshape(batch, tokens, -1, spec.head_dim) for t in (q, k))  # views of the forward's contiguous q, k
     if spec.kernel:
         from slimrl.ops.kernels.rope import rotate_, unrotate
 
