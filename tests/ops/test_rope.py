@@ -184,3 +184,19 @@ def test_w1_shapes_on_cuda_have_eagers_bits(monkeypatch):
     enable_fast_lora(fast, norms=False)
     want, have = step(plain, ids, (ids != 0).long()), step(fast, ids, (ids != 0).long())
     assert torch.equal(have[0], want[0]) and all(torch.equal(have[1][n], g) for n, g in want[1].items())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_reference_has_autograds_bits(dtype):
+    """`rope_backward_reference` (the fused q/k/v Function's rotation backward off the kernels) is autograd's backward
+    of `rope_reference`, bit for bit."""
+    from slimrl.ops.rope import rope_backward_reference
+
+    q, k = qk(2, 5, 3, 1, 16, dtype)
+    cos, sin = trig(2, 5, 16, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k)]
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(t.shape, generator=g).to(dtype) for t in (q, k)]
+    torch.autograd.backward(rope_reference(*leaves, cos, sin), grads)
+    got = rope_backward_reference(*grads, cos, sin)
+    assert torch.equal(got[0], leaves[0].grad) and torch.equal(got[1], leaves[1].grad)

@@ -124,13 +124,19 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor 
     return out.addmm_(a, b, beta=0, alpha=scale)  # beta 0: out's old contents are never read
 
 
+def function_inputs(projection: LoRAProjection, dtype: torch.dtype) -> list:
+    """[weight, bias or None, lora_a, lora_b] as the fused Functions take them: in `dtype` (a packed weight as it is;
+    the adapters through the per-pass `cast`)."""
+    weight = projection.weight if projection.dequantize is not None else projection.weight.to(dtype)
+    bias = None if projection.bias is None else projection.bias.to(dtype)
+    return [weight, bias, cast(projection.lora_a, dtype), cast(projection.lora_b, dtype)]
+
+
 def lora_linear(x: torch.Tensor, projection: LoRAProjection) -> torch.Tensor:
     """The fused LoRA projection of x [..., in] -> [..., out] in the compute dtype (see `compute_dtype`)."""
     check_frozen(projection)
     dtype = compute_dtype(x)
-    weight = projection.weight if projection.dequantize is not None else projection.weight.to(dtype)
-    bias = None if projection.bias is None else projection.bias.to(dtype)
-    lora_a, lora_b = cast(projection.lora_a, dtype), cast(projection.lora_b, dtype)
+    weight, bias, lora_a, lora_b = function_inputs(projection, dtype)
     with torch.autocast(x.device.type, enabled=False):
         out = LoRALinearFunction.apply(x.to(dtype).reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b,
                                        float(projection.scale), projection.dequantize)  # fmt: skip

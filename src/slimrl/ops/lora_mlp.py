@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from slimrl.ops import kernels
 from slimrl.ops.lora_linear import (
     LoRAProjection,
-    cast,
     check_frozen,
     compute_dtype,
     full_weight,
+    function_inputs,
     lora_linear_reference,
     project,
     scaled_mm,
@@ -104,10 +104,7 @@ def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: Lo
     for name, projection in (("gate", gate), ("up", up), ("down", down)):
         check_frozen(projection, name)
     dtype = compute_dtype(x)
-    tensors = []
-    for p in (gate, up, down):
-        weight = p.weight if p.dequantize is not None else p.weight.to(dtype)
-        tensors += [weight, None if p.bias is None else p.bias.to(dtype), cast(p.lora_a, dtype), cast(p.lora_b, dtype)]
+    tensors = [t for p in (gate, up, down) for t in function_inputs(p, dtype)]
     spec = _Spec((float(gate.scale), float(up.scale), float(down.scale)),
                  (gate.dequantize, up.dequantize, down.dequantize), activation, in_place)  # fmt: skip
     with torch.autocast(x.device.type, enabled=False):

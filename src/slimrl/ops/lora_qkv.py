@@ -34,10 +34,10 @@ import torch
 from slimrl.ops import kernels
 from slimrl.ops.lora_linear import (
     LoRAProjection,
-    cast,
     check_frozen,
     compute_dtype,
     full_weight,
+    function_inputs,
     lora_linear_reference,
     project,
     scaled_mm,
@@ -77,10 +77,7 @@ def lora_qkv(x: torch.Tensor, q: LoRAProjection, k: LoRAProjection, v: LoRAProje
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     dtype = compute_dtype(x)
-    tensors = []
-    for p in (q, k, v):
-        weight = p.weight if p.dequantize is not None else p.weight.to(dtype)
-        tensors += [weight, None if p.bias is None else p.bias.to(dtype), cast(p.lora_a, dtype), cast(p.lora_b, dtype)]
+    tensors = [t for p in (q, k, v) for t in function_inputs(p, dtype)]
     inside = cos is not None and _rotation_fits(x, cos, sin, dtype, head_dim)
     flat = x.to(dtype).reshape(-1, x.shape[-1])
     spec = _Spec((float(q.scale), float(k.scale), float(v.scale)), (q.dequantize, k.dequantize, v.dequantize),
