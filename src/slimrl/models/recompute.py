@@ -98,14 +98,16 @@ class _Walk(NamedTuple):
 
 
 _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its _Walk
-_WALKED: set[int] = set()  # ids of the modules some walk went through
+# the modules some walk went through, held weakly: a set of ids would, once such a module is freed, count registrations
+# under whatever new module takes its id (a ModuleList sliced by transformers' decoder loop, seen in a test)
+_WALKED: weakref.WeakSet = weakref.WeakSet()
 _REGISTRATIONS = [0]  # modules and parameters registered under a walked module since import
 
 
 def _count_registration(parent: torch.nn.Module, *_) -> None:
     # only under a walked module: transformers' decoder loop slices its ModuleList on every forward, which registers
     # every layer again, into a new list
-    if id(parent) in _WALKED:
+    if parent in _WALKED:
         _REGISTRATIONS[0] += 1
 
 
@@ -115,7 +117,7 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 
 def watch_registrations(modules) -> None:
     """Count from now on every module or parameter registered under one of `modules` (`registrations()`)."""
-    _WALKED.update(id(m) for m in modules)
+    _WALKED.update(modules)
 
 
 def registrations() -> int:
