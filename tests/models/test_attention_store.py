@@ -81,6 +81,38 @@ def test_kept_attention_gives_the_recomputes_bits_with_one_attention_call_per_la
     assert len(calls) == 4 and state.kept_attention == 2
 
 
+def test_q_k_and_v_are_read_from_the_recompute_not_parked(monkeypatch):
+    model = lora_model()
+    enable_fast_lora(model)
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=4, min_offload_bytes=0, attention_tokens=1)
+    made, parked = [], []
+    original_input, original_parked = attention_store._Input.__init__, attention_store._Parked.__init__
+    monkeypatch.setattr(attention_store._Input, "__init__", lambda self, r, i, t: made.append(i) or
+                        original_input(self, r, i, t))  # fmt: skip
+    monkeypatch.setattr(attention_store._Parked, "__init__", lambda self, st, t: parked.append(t.shape) or
+                        original_parked(self, st, t))  # fmt: skip
+    kept = run(model, FULL)
+    assert state.kept_attention == 2
+    assert sorted(set(made)) == [0, 1, 2]  # each layer's graph read its q, k and v from the recompute
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    assert kv_heads < heads  # grouped K/V: their shapes differ from the output's
+    # per layer: the output and its log-sum-exp parked, nothing else (q, k and v were parked too before)
+    assert sorted(tuple(shape) for shape in parked) == [(2, heads, 9)] * 2 + [(2, heads, 9, head_dim)] * 2
+    state.attention_tokens = 0
+    assert_equal(run(model, FULL), kept)
+
+
+def test_a_recompute_laid_out_unlike_the_forward_is_refused():
+    q = torch.randn(1, 2, 3, 4)
+    record = attention_store.AttentionRecord(None, [], (q, q[:, :1], q[:, 1:]))
+    twin = q.clone()
+    record.take_inputs((twin, twin[:, :1], twin[:, 1:]))  # another storage, the same layouts: taken
+    with pytest.raises(RuntimeError, match="laid out unlike the forward"):
+        record.take_inputs((q, q[:, :1].clone(), q[:, 1:]))  # k in a storage of its own
+
+
 def test_small_tensors_stay_in_place_and_a_recompute_without_a_record_computes_attention(monkeypatch):
     model = lora_model()
     enable_fast_lora(model)
@@ -123,6 +155,6 @@ def test_the_demo_passes_its_setting_to_the_trainer_config(tmp_path):
     from slimrl.cli.demo_algorithms import grpo_config_kwargs
     from slimrl.trainers.grpo.config import GRPOConfig
 
-    assert GRPOConfig(**grpo_config_kwargs(DemoSettings(), tmp_path, "cpu")).keep_attention_tokens == 32768
+    assert GRPOConfig(**grpo_config_kwargs(DemoSettings(), tmp_path, "cpu")).keep_attention_tokens == 4096
     chosen = GRPOConfig(**grpo_config_kwargs(DemoSettings(keep_attention_tokens=1), tmp_path, "cpu"))
     assert chosen.keep_attention_tokens == 1

@@ -5,6 +5,7 @@ forward with the reason logged; a 4-bit base (bitsandbytes NF4 on the CPU, and o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -91,6 +92,40 @@ def test_under_offloaded_checkpointing_with_mlp_tiles(arch, monkeypatch):
     mlp_calls.clear()
     assert_same(reference, loss_and_grads(model), "fast LoRA, offloaded, fused recompute path")
     assert len(mlp_calls) == 2 * (4 + 4)
+
+
+def test_the_recompute_skips_the_mlp_output_it_never_reads(monkeypatch):
+    """The recompute's MLP tiles are backward roots only: the fused MLP skips down's GEMM there, with the same
+    gradients, bit for bit, as a recompute that computes it; a forward hook on the MLP gets the real output."""
+    from slimrl.ops import lora_mlp as mlp_ops
+
+    model = lora_model("llama")
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=5)
+    enable_fast_lora(model)
+    read_modes = []
+    original = mlp_ops.LoRAMLPFunction.apply
+    monkeypatch.setattr(mlp_ops.LoRAMLPFunction, "apply",
+                        lambda x, spec, *t: read_modes.append(spec.output_read) or original(x, spec, *t))  # fmt: skip
+    skipped = loss_and_grads(model)
+    # per layer: 4 tiles in the forward (read), 4 in the recompute (not read)
+    assert read_modes == [True] * 8 + [False] * 8
+    monkeypatch.setattr(recompute, "output_unread", contextlib.nullcontext)
+    read_modes.clear()
+    computed = loss_and_grads(model)
+    assert read_modes == [True] * 16
+    assert torch.equal(skipped[0], computed[0]) and skipped[2].keys() == computed[2].keys()
+    for name, grad in computed[2].items():
+        assert torch.equal(skipped[2][name], grad), name
+    monkeypatch.undo()
+    outputs = []
+    mlp = model.base_model.model.model.layers[0].mlp
+    mlp.register_forward_hook(lambda module, args, out: outputs.append((args[0].detach(), out.detach())))
+    hooked = loss_and_grads(model)
+    assert len(outputs) == 8  # 4 tiles in the forward, 4 in the recompute
+    for tile, out in outputs[4:]:  # the recompute's tiles, as the hook saw them: real outputs
+        with torch.no_grad():
+            assert torch.equal(out, mlp(tile))
+    assert torch.equal(hooked[0], computed[0])
 
 
 def test_disable_adapter_falls_back_to_the_base_model_and_disable_restores_peft():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from slimrl.ops import kernels
-from slimrl.ops.lora_mlp import ACTIVATIONS, LoRAMLPFunction, _Spec, lora_mlp, lora_mlp_reference
+from slimrl.ops import lora_mlp as mlp_ops
+from slimrl.ops.lora_mlp import ACTIVATIONS, LoRAMLPFunction, _Spec, lora_mlp, lora_mlp_reference, output_unread
 from tests.ops.test_lora_linear import KINDS, fresh, leaves, make_projection, relative_error, run
 from tests.tolerances import assert_close
 
@@ -106,6 +107,35 @@ def test_gradcheck_in_float64(activation):
     assert torch.autograd.gradcheck(function, (x, *params))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hidden, intermediate, rank, bias", CASES[1:3])
+def test_an_unread_output_skips_down_and_leaves_every_gradient_the_same_bits(tokens, hidden, intermediate, rank,
+                                                                           bias, dtype, monkeypatch):  # fmt: skip
+    g = torch.Generator().manual_seed(tokens + rank)
+    mlp = [on_device(p, DEVICE) for p in make_mlp(g, hidden, intermediate, rank, bias, dtype)]
+    x = torch.randn(3, tokens, hidden, generator=g).to(DEVICE, dtype)  # a leading batch dimension too
+    upstream = torch.randn(3, tokens, hidden, generator=g).to(DEVICE, dtype)
+    projected, products = [], []  # the output features of every base GEMM the forwards run; gated products
+    original, glu = mlp_ops.project, mlp_ops._glu
+    monkeypatch.setattr(mlp_ops, "project", lambda x, w, *a: projected.append(w.shape[0]) or original(x, w, *a))
+    monkeypatch.setattr(mlp_ops, "_glu", lambda *a: products.append(1) or glu(*a))
+    read = [fresh(p) for p in mlp]
+    out, want = run(lambda t: lora_mlp(t, *read), x, upstream, *read)
+    assert projected == [intermediate, intermediate, hidden] and len(products) == 1
+    unread, projected[:], products[:] = [fresh(p) for p in mlp], [], []
+    with output_unread():
+        skipped, got = run(lambda t: lora_mlp(t, *unread), x, upstream, *unread)
+    # gate and up only: down's GEMM and expand and the gated product's forward were skipped
+    assert projected == [intermediate, intermediate] and not products
+    assert skipped.shape == out.shape and skipped.dtype == out.dtype
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    projected[:] = []
+    lora_mlp(x, *mlp)  # the mode ends with its block
+    assert len(projected) == 3
+
+
 def test_saves_x_gate_up_and_the_shrinks_only():
     g = torch.Generator().manual_seed(14)
     mlp = make_mlp(g, 48, 136, 8, False, torch.float32)
@@ -185,6 +215,11 @@ def test_w1_shapes_on_cuda():
     assert relative_error(got, want) < 0.02
     for a, b in zip(got_grads, want_grads, strict=True):
         assert relative_error(a, b) < 0.02
+    # a recompute's unread output: the same gradients, bit for bit (h A_d^T from the backward kernel's h)
+    with output_unread():
+        _, unread_grads = run(lambda t: lora_mlp(t, *mlp), x, upstream, *mlp)
+    for a, b in zip(unread_grads, got_grads, strict=True):
+        assert torch.equal(a, b)
 
 
 class full_fp32_matmuls:

@@ -5,11 +5,15 @@ the MLP. For long sequences the attention kernel is the recompute's largest part
 the length; at 32,768 tokens on Qwen2.5-1.5B it is 1.2 s of a 12.4 s step). Here the checkpoint's gradient-free
 forward builds the autograd graph of the attention call itself (SDPA, FlashAttention or eager, as the model is
 configured; with the repeat of grouped K/V heads when the model does it) from q, k and v, and every tensor that graph
-saves (q, k, v, the output, its log-sum-exp) is parked in host memory by saved-tensor hooks, as the layer's input is.
-The recompute in the backward then computes q, k and v again (the projections and the rotary embedding are cheap)
-but takes the stored output instead of calling attention, and its gradient comes from the stored graph. The stored
-graph's kernels are the ones autograd would have run in the recompute, on the same values, so the gradients are
-bitwise those of the plain recompute.
+saves is parked in host memory by saved-tensor hooks, as the layer's input is: the output and its log-sum-exp, and
+whatever the attention function made of q, k and v (a contiguous copy, K/V heads repeated for the group). What it
+saves of q, k and v themselves (views of their storages) is not parked: the recompute in the backward computes q, k
+and v again (the projections and the rotary embedding are cheap; the same kernels on the same input, so the same
+bits) and the stored graph reads them there, through the same views of the new storages. The recompute takes the
+stored output instead of calling attention, and its gradient comes from the stored graph. The stored graph's kernels
+are the ones autograd would have run in the recompute, on the same values, so the gradients are bitwise those of the
+plain recompute. Parking q, k and v too cost 2.3 times the checkpoints' copies on Qwen2.5-1.5B (a row's q, k, v and
+output: 3,584 values a token against the checkpoint's 1,536); the output alone is about one time.
 
 What stays where it is instead of being parked: parameters, the attention mask (shared by every layer) and tensors
 under 1 MiB (or the checkpoints' `min_offload_bytes`, if smaller). A tensor is parked with its whole storage (one
@@ -101,12 +105,40 @@ class _Handle:
         return torch.empty(0, dtype=self.dtype, device=self.parked.device).set_(storage, *self.view)
 
 
-class AttentionRecord:
-    """One attention call's graph, built by the checkpoint's forward, with its saved tensors parked."""
+class _Input:
+    """A saved view of q's, k's or v's storage: read at replay from the recompute's q, k or v (`AttentionRecord.live`)
+    through the same view."""
 
-    def __init__(self, state, keep: list[torch.Tensor]):
+    def __init__(self, record: AttentionRecord, index: int, tensor: torch.Tensor):
+        self.record, self.index, self.dtype = record, index, tensor.dtype
+        self.view = (tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def tensor(self) -> torch.Tensor:
+        live = self.record.live[self.index]
+        return torch.empty(0, dtype=self.dtype, device=live.device).set_(live.untyped_storage(), *self.view)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What a view of q, k or v must share with its recomputed twin for `_Input` to read the same elements."""
+    return (tensor.dtype, tensor.device, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.untyped_storage().nbytes())  # fmt: skip
+
+
+class AttentionRecord:
+    """One attention call's graph, built by the checkpoint's forward, with its saved tensors parked (but those of q,
+    k and v: the recompute's are read instead)."""
+
+    def __init__(self, state, keep: list[torch.Tensor], inputs: tuple[torch.Tensor, ...] = ()):
         self.state = state
         self.kept_storages = {t.untyped_storage().data_ptr() for t in keep if torch.is_tensor(t)}
+        # q, k and v: the index of the first one on each storage, and how each lies in its storage
+        self.input_storages: dict[int, int] = {}
+        for index, tensor in enumerate(inputs):
+            self.input_storages.setdefault(tensor.untyped_storage().data_ptr(), index)
+        self.input_layouts = [_layout(t) for t in inputs]
+        self.input_sharing = [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in inputs]
+                              for a in inputs]  # fmt: skip
+        self.live: tuple[torch.Tensor, ...] = ()  # the recompute's q, k and v, set by the replay
         self.parked: dict[int, _Parked] = {}
         self.inputs: list = []
         self.output_edge = None
@@ -116,6 +148,8 @@ class AttentionRecord:
     def pack(self, tensor: torch.Tensor):
         """Saved-tensor hook: park the tensor, or keep it as it is (parameters, the mask, small tensors)."""
         storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.input_storages:
+            return _Input(self, self.input_storages[storage.data_ptr()], tensor)
         if (isinstance(tensor, torch.nn.Parameter) or storage.data_ptr() in self.kept_storages
                 or tensor.nbytes < min(self.state.min_offload_bytes, IN_PLACE_BYTES)):
             return tensor  # fmt: skip
@@ -130,7 +164,18 @@ class AttentionRecord:
 
     @staticmethod
     def unpack(packed):
-        return packed.tensor() if isinstance(packed, _Handle) else packed
+        return packed.tensor() if isinstance(packed, (_Handle, _Input)) else packed
+
+    def take_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """The recompute's q, k and v, for the stored graph to read; they must lie in their storages as the
+        forward's did (the same code made them), which is checked, not assumed."""
+        layouts = [_layout(t) for t in inputs]
+        shared = [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in inputs] for a in inputs]
+        if layouts != self.input_layouts or shared != self.input_sharing:
+            raise RuntimeError("slimrl's kept attention: the recompute's q, k and v are laid out unlike the forward's "
+                               f"({layouts} against {self.input_layouts}); set keep_attention_tokens=0 to recompute "
+                               "the attention, and report this")  # fmt: skip
+        self.live = tuple(t.detach() for t in inputs)
 
     def fetch(self, output_only: bool = False) -> None:
         """Start bringing the parked storages back: the output's alone (the recompute's replay needs it first), or
@@ -141,7 +186,7 @@ class AttentionRecord:
             parked.fetch()
 
     def release(self) -> None:
-        self.parked, self.inputs, self.output_edge, self.output = {}, [], None, None
+        self.parked, self.inputs, self.output_edge, self.output, self.live = {}, [], None, None, ()
 
 
 class _Replayed(torch.autograd.Function):
@@ -150,6 +195,7 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, record: AttentionRecord, query, key, value):
         ctx.record = record
+        record.take_inputs((query, key, value))
         output = AttentionRecord.unpack(record.output).detach()
         record.fetch()  # q, k, v and the rest come back while the layer's MLP is recomputed
         return output
@@ -169,7 +215,7 @@ class Tape:
         self.state, self.records, self.replay = state, records, replay
 
     def record(self, interface, module, query, key, value, mask, kwargs):
-        record = AttentionRecord(self.state, [mask])
+        record = AttentionRecord(self.state, [mask], (query, key, value))
         anchor = torch.empty(0, device=query.device, requires_grad=True)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
             inputs = [_Entry.apply(t.detach(), anchor) for t in (query, key, value)]

@@ -5,7 +5,8 @@ parts: the attention over the whole sequence, then the MLP tile by tile, each ti
 backward, so a long sequence's MLP activations ([tokens, intermediate], 4 of them) never exist at once. The
 gradient-free forward runs the MLP in the same tiles, with the fused element-wise ops for long sequences, so both
 compute the same thing op for op. A layer switched to fast LoRA (models/fast_lora.py) runs its fused MLP and RMSNorm
-Functions here too: the fused ops above call a switched module's own forward.
+Functions here too: the fused ops above call a switched module's own forward. The recompute's MLP tiles are roots of
+their backward, never read: a fused LoRA MLP skips computing them (`ops.lora_mlp.output_unread`), down's GEMM.
 
 `Weights` is how a recompute's gradients reach the layer's weights: summed over the tiles and handed back through the
 checkpoint's autograd node (one gradient per weight per backward pass, which DDP's reducer needs), or accumulated in
@@ -14,6 +15,7 @@ place by a plain backward where a sharding framework's hooks must see them insid
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import NamedTuple, Protocol
@@ -22,6 +24,7 @@ import torch
 
 from slimrl.ops.fused import mlp_forward, norm_forward
 from slimrl.ops.lora_linear import one_layer_pass
+from slimrl.ops.lora_mlp import output_unread
 
 
 class RecomputeState(Protocol):
@@ -199,6 +202,11 @@ def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
 
 
+def _output_hooked(module: torch.nn.Module) -> bool:
+    """Whether a forward hook (the module's own, or a global one) may read what `module` returns."""
+    return bool(module._forward_hooks or torch.nn.modules.module._global_forward_hooks)
+
+
 def split_backward(state: RecomputeState, layer, kwargs, hidden_states: torch.Tensor, grad_output: torch.Tensor,
                    weights: Weights) -> torch.Tensor | None:  # fmt: skip
     """Backward of `h + mlp(norm2(h))` with `h = x + attn(norm1(x))`: MLP tile by tile, then the attention. Returns the
@@ -215,9 +223,13 @@ def _split_backward(state: RecomputeState, layer, kwargs, hidden_states, grad_ou
     flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
     mid_grad = torch.zeros_like(flat_mid)  # [tokens, hidden]: d loss / d h through the MLP branch
     tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
+    # the tiles' outputs only carry their gradients back: a fused LoRA MLP need not compute them (unless a forward
+    # hook reads them)
+    unread = output_unread if not _output_hooked(layer.mlp) else contextlib.nullcontext
     for start in range(0, flat_mid.shape[0], tile):
         part = flat_mid[start : start + tile].detach().requires_grad_(True)  # a leaf per tile
-        out = _mlp_block(layer, part, fused)
+        with unread():
+            out = _mlp_block(layer, part, fused)
         (part_grad,) = weights.backprop([out], [flat_grad[start : start + tile]], [part])
         if part_grad is not None:
             mid_grad[start : start + tile] = part_grad

@@ -18,6 +18,11 @@ Backward (dY [N, hidden]):
     dX   = dG W_g + dU W_u + [s_g dG B_g, s_u dU B_u] [A_gate; A_up]  (three GEMMs into one buffer)
     [dA_gate; dA_up] = [s_g dG B_g, s_u dU B_u]^T x   (one GEMM)
 Every scale is the alpha of its GEMM (`lora_linear.scaled_mm`): no separate multiplications.
+
+Inside `output_unread()` (a recompute whose output only carries a gradient back: models/recompute.py) the forward
+stops after gate and up and returns an uninitialised [N, hidden] tensor: the backward needs the output's gradient,
+never its value, and its element-wise kernel makes h anyway, from which it then takes h A_d^T. The gradients are the
+same bits, and a recompute skips down's GEMM (29% of a Qwen2.5-1.5B MLP's FLOPs) and the gated product's forward.
 Base weights stay frozen; a 4-bit base is dequantised in the forward and again in the backward, one projection at a
 time. Dtypes as in `slimrl.ops.lora_linear` (one compute dtype; autocast's when on). The in-place backward means a
 second backward through the same graph (retain_graph) fails loudly in autograd's version check; `in_place=False`
@@ -27,6 +32,8 @@ run in PyTorch with the same roundings.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -47,6 +54,19 @@ from slimrl.ops.lora_linear import (
 )
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # SiLU: Llama, Qwen2/3, Mistral; GELU-tanh: Gemma's gelu_pytorch_tanh
+_OUTPUT_UNREAD = contextvars.ContextVar("slimrl_lora_mlp_output_unread", default=False)
+
+
+@contextlib.contextmanager
+def output_unread():
+    """Within: `lora_mlp` leaves its output's values uncomputed (uninitialised memory of the right shape). Only for
+    a call whose output is handed to autograd as the root of a backward with a given gradient and read by nothing
+    else: the recompute of a checkpointed layer's MLP."""
+    token = _OUTPUT_UNREAD.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUT_UNREAD.reset(token)
 
 
 def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -93,6 +113,7 @@ class _Spec(NamedTuple):
     dequantize: tuple[Callable | None, Callable | None, Callable | None]
     activation: str
     in_place: bool
+    output_read: bool = True  # False: the forward skips down's GEMMs (see `output_unread`)
 
 
 def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection,
@@ -106,7 +127,8 @@ def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: Lo
     dtype = compute_dtype(x)
     tensors = [t for p in (gate, up, down) for t in function_inputs(p, dtype)]
     spec = _Spec((float(gate.scale), float(up.scale), float(down.scale)),
-                 (gate.dequantize, up.dequantize, down.dequantize), activation, in_place)  # fmt: skip
+                 (gate.dequantize, up.dequantize, down.dequantize), activation, in_place,
+                 not _OUTPUT_UNREAD.get())  # fmt: skip
     with torch.autocast(x.device.type, enabled=False):
         out = LoRAMLPFunction.apply(x.to(dtype).reshape(-1, x.shape[-1]), spec, *tensors)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -144,9 +166,13 @@ class LoRAMLPFunction(torch.autograd.Function):
         shrunk = x @ stacked.t()  # [N, r_g + r_u]
         gate = project(x, full_weight(w_g, deq_g, x.dtype), bias_g, shrunk[:, :rank_g], b_g, s_g)  # [N, I]
         up = project(x, full_weight(w_u, deq_u, x.dtype), bias_u, shrunk[:, rank_g:], b_u, s_u)  # [N, I]
-        h = _glu(gate, up, spec.activation)  # [N, I], freed when the forward returns
-        down_shrunk = h @ a_d.t()  # [N, r_d]
-        out = project(h, full_weight(w_d, deq_d, x.dtype), bias_d, down_shrunk, b_d, s_d)
+        if spec.output_read:
+            h = _glu(gate, up, spec.activation)  # [N, I], freed when the forward returns
+            down_shrunk = h @ a_d.t()  # [N, r_d]
+            out = project(h, full_weight(w_d, deq_d, x.dtype), bias_d, down_shrunk, b_d, s_d)
+        else:  # only the output's gradient will be used (`output_unread`): its shape, no values; h A_d^T is taken
+            # in the backward from the h its element-wise kernel makes anyway (the same bits as the forward's)
+            out, down_shrunk = x.new_empty(x.shape[0], b_d.shape[0]), None
         ctx.spec = spec
         ctx.save_for_backward(x, gate, up, shrunk, down_shrunk, stacked, *tensors)
         return out
@@ -162,6 +188,8 @@ class LoRAMLPFunction(torch.autograd.Function):
             grad_h, grad_down_shrunk, grads_down = _down_backward(grad_out, down_shrunk, tensors[8:], spec, need[8:])
             h, grad_gate, grad_up = _glu_backward(grad_h, gate, up, spec.activation)
             del grad_h, gate, up  # with the kernel their buffers now hold h, d gate and d up
+            if down_shrunk is None and need[11]:  # an unread forward: dB_d = s_d dY^T (h A_d^T) now
+                grads_down[3] = scaled_mm(grad_out.t(), h @ tensors[10].t(), spec.scales[2])
             if need[10]:  # dA_d = s_d (dY B_d)^T h
                 grads_down[2] = scaled_mm(grad_down_shrunk.t(), h, spec.scales[2])
             del h
@@ -171,11 +199,12 @@ class LoRAMLPFunction(torch.autograd.Function):
 
 
 def _down_backward(grad_out, down_shrunk, down_tensors, spec: _Spec, need):
-    """(dH [N, I], dY B_d [N, r_d] (unscaled), [None, d bias_d, None (dA_d needs h), dB_d])."""
+    """(dH [N, I], dY B_d [N, r_d] (unscaled), [None, d bias_d, None (dA_d needs h), dB_d]); dB_d is None when the
+    forward kept no h A_d^T (an unread output: the caller takes it once h is made)."""
     w_d, bias_d, a_d, b_d = down_tensors
     s_d = spec.scales[2]
     grad_down_shrunk = grad_out @ b_d
-    grad_b = scaled_mm(grad_out.t(), down_shrunk, s_d) if need[3] else None
+    grad_b = scaled_mm(grad_out.t(), down_shrunk, s_d) if need[3] and down_shrunk is not None else None
     grad_bias = grad_out.sum(0) if bias_d is not None and need[1] else None
     grad_h = grad_out @ full_weight(w_d, spec.dequantize[2], grad_out.dtype)
     grad_h.addmm_(grad_down_shrunk, a_d, alpha=s_d)
