@@ -136,6 +136,16 @@ def test_an_unread_output_skips_down_and_leaves_every_gradient_the_same_bits(tok
     assert len(projected) == 3
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_backward_references_h_has_the_forward_references_bits(activation, dtype):
+    """Off the kernels an unread forward takes h A_d^T from the backward's h: it must be the forward's, bit for bit."""
+    g = torch.Generator().manual_seed(21)
+    gate, up, grad = (torch.randn(57, 136, generator=g).mul(4).to(dtype) for _ in range(3))
+    h, _, _ = mlp_ops.glu_backward_reference(grad, gate, up, activation)
+    assert torch.equal(h, mlp_ops.glu_reference(gate, up, activation))
+
+
 def test_saves_x_gate_up_and_the_shrinks_only():
     g = torch.Generator().manual_seed(14)
     mlp = make_mlp(g, 48, 136, 8, False, torch.float32)

@@ -77,12 +77,13 @@ def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"
 
 
 def _activation_and_slope(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(g), act'(g)); act(g) by PyTorch's own function, so that h here has `glu_reference`'s bits."""
     if activation == "silu":
         sig = torch.sigmoid(g)
-        return g * sig, sig * (1 + g * (1 - sig))
+        return F.silu(g), sig * (1 + g * (1 - sig))
     k = math.sqrt(2 / math.pi)
     t = torch.tanh(k * (g + 0.044715 * g**3))
-    return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+    return F.gelu(g, approximate="tanh"), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
 
 
 def glu_backward_reference(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
