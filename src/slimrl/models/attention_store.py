@@ -118,10 +118,13 @@ class _Input:
         return torch.empty(0, dtype=self.dtype, device=live.device).set_(live.untyped_storage(), *self.view)
 
 
-def _layout(tensor: torch.Tensor) -> tuple:
-    """What a view of q, k or v must share with its recomputed twin for `_Input` to read the same elements."""
-    return (tensor.dtype, tensor.device, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-            tensor.untyped_storage().nbytes())  # fmt: skip
+def _layout(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What q, k and v must share with their recomputed twins for `_Input` to read the same elements: each one's
+    place in its storage, and which of them share a storage."""
+    places = [(t.dtype, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.untyped_storage().nbytes())
+              for t in tensors]  # fmt: skip
+    pointers = [t.untyped_storage().data_ptr() for t in tensors]
+    return places, [[a == b for b in pointers] for a in pointers]
 
 
 class AttentionRecord:
@@ -135,9 +138,7 @@ class AttentionRecord:
         self.input_storages: dict[int, int] = {}
         for index, tensor in enumerate(inputs):
             self.input_storages.setdefault(tensor.untyped_storage().data_ptr(), index)
-        self.input_layouts = [_layout(t) for t in inputs]
-        self.input_sharing = [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in inputs]
-                              for a in inputs]  # fmt: skip
+        self.input_layout = _layout(inputs)
         self.live: tuple[torch.Tensor, ...] = ()  # the recompute's q, k and v, set by the replay
         self.parked: dict[int, _Parked] = {}
         self.inputs: list = []
@@ -169,11 +170,10 @@ class AttentionRecord:
     def take_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """The recompute's q, k and v, for the stored graph to read; they must lie in their storages as the
         forward's did (the same code made them), which is checked, not assumed."""
-        layouts = [_layout(t) for t in inputs]
-        shared = [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in inputs] for a in inputs]
-        if layouts != self.input_layouts or shared != self.input_sharing:
+        layout = _layout(inputs)
+        if layout != self.input_layout:
             raise RuntimeError("slimrl's kept attention: the recompute's q, k and v are laid out unlike the forward's "
-                               f"({layouts} against {self.input_layouts}); set keep_attention_tokens=0 to recompute "
+                               f"({layout} against {self.input_layout}); set keep_attention_tokens=0 to recompute "
                                "the attention, and report this")  # fmt: skip
         self.live = tuple(t.detach() for t in inputs)
 
@@ -197,7 +197,7 @@ class _Replayed(torch.autograd.Function):
         ctx.record = record
         record.take_inputs((query, key, value))
         output = AttentionRecord.unpack(record.output).detach()
-        record.fetch()  # q, k, v and the rest come back while the layer's MLP is recomputed
+        record.fetch()  # the rest (the log-sum-exp, copies the function made) comes back during the MLP's recompute
         return output
 
     @staticmethod

@@ -5,8 +5,9 @@ parts: the attention over the whole sequence, then the MLP tile by tile, each ti
 backward, so a long sequence's MLP activations ([tokens, intermediate], 4 of them) never exist at once. The
 gradient-free forward runs the MLP in the same tiles, with the fused element-wise ops for long sequences, so both
 compute the same thing op for op. A layer switched to fast LoRA (models/fast_lora.py) runs its fused MLP and RMSNorm
-Functions here too: the fused ops above call a switched module's own forward. The recompute's MLP tiles are roots of
-their backward, never read: a fused LoRA MLP skips computing them (`ops.lora_mlp.output_unread`), down's GEMM.
+Functions here too: the fused ops above call a switched module's own forward. The recompute's MLP tiles' outputs are
+only the roots of their backward, never read: a fused LoRA MLP does not compute them there
+(`ops.lora_mlp.output_unread`: down's GEMM and the gated product's forward skipped).
 
 `Weights` is how a recompute's gradients reach the layer's weights: summed over the tiles and handed back through the
 checkpoint's autograd node (one gradient per weight per backward pass, which DDP's reducer needs), or accumulated in

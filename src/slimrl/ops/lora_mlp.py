@@ -114,7 +114,7 @@ class _Spec(NamedTuple):
     dequantize: tuple[Callable | None, Callable | None, Callable | None]
     activation: str
     in_place: bool
-    output_read: bool = True  # False: the forward skips down's GEMMs (see `output_unread`)
+    output_read: bool = True  # False: the forward stops after gate and up (see `output_unread`)
 
 
 def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection,
@@ -155,7 +155,8 @@ def _glu_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ac
 
 class LoRAMLPFunction(torch.autograd.Function):
     """x [tokens, hidden] -> [tokens, hidden]. Tensors after `spec`: per projection (gate, up, down) weight, bias
-    (or None), lora_a, lora_b, all in x's dtype but a packed weight. Saves x, gate, up and the two shrinks."""
+    (or None), lora_a, lora_b, all in x's dtype but a packed weight. Saves x, gate, up and the two shrinks (down's only
+    when the output was computed)."""
 
     @staticmethod
     def forward(ctx, x, spec: _Spec, *tensors):
