@@ -160,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="slimrl settings to compare, e.g. '8/8192/1;8/0/0;auto/8192/1/0' = "
         "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0, 1, or noattn: on but the attention blocks (their "
         "rotary embedding) left as the model's)][/keep_attention_tokens (0: recompute attention)]; each is measured "
-        "as slimrl[variant]",
+        "as slimrl[variant], a variant given again as slimrl[variant]#2, #3, ...",
     )
     return parser.parse_args(argv)
 
@@ -169,7 +169,9 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
     """(name, slimrl settings or None) per run: the trainers asked for, then each --variants spec."""
     # TRL first: slimrl installs its savers on the model; "" runs the variants alone
     runs = [(kind, None) for kind in filter(None, args.trainers.split(","))]
+    given: dict[str, int] = {}
     for spec in filter(None, args.variants.split(";")):
+        given[spec] = given.get(spec, 0) + 1  # a spec given again (an A/B alternating) is measured under a new name
         chunks, tile, offload, *fast = spec.split("/")
         variant = {"num_chunks": chunks if chunks == "auto" else int(chunks), "mlp_tile_tokens": int(tile),
                    "offload_checkpoints": offload == "1"}  # fmt: skip
@@ -178,7 +180,7 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
             variant["attention"] = fast[0] != "noattn"
         if len(fast) > 1:
             variant["keep_attention_tokens"] = int(fast[1])
-        runs.append((f"slimrl[{spec}]", variant))
+        runs.append((f"slimrl[{spec}]" + (f"#{given[spec]}" if given[spec] > 1 else ""), variant))
     return runs
 
 

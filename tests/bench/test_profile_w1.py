@@ -53,6 +53,11 @@ def test_grpo_memory_variants_parse_fast_lora_and_its_attention_switch():
     runs = module.planned_runs(args)
     assert [name for name, _ in runs] == ["slimrl[auto/8192/1/1/0]", "slimrl[auto/8192/1/1/32768]"]
     assert [settings["keep_attention_tokens"] for _, settings in runs] == [0, 32768]
+    args = module.parse_args(["1024", "--trainers", "", "--variants", "auto/8192/1/1/0;auto/8192/1/1/4096;"
+                              "auto/8192/1/1/0;auto/8192/1/1/4096;auto/8192/1/1/0"])  # fmt: skip
+    names = [name for name, _ in module.planned_runs(args)]  # alternating A/B: every run keeps its own result
+    assert names == ["slimrl[auto/8192/1/1/0]", "slimrl[auto/8192/1/1/4096]", "slimrl[auto/8192/1/1/0]#2",
+                     "slimrl[auto/8192/1/1/4096]#2", "slimrl[auto/8192/1/1/0]#3"]  # fmt: skip
 
 
 def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median():
