@@ -93,29 +93,38 @@ class _Parked:
         return self.on_device.untyped_storage()
 
 
-class _Handle:
-    """A parked tensor: its storage's `_Parked` and the view of it (dtype, offset, size, stride)."""
+class _View:
+    """Where a saved tensor lies in its storage (dtype, offset, size, stride), to be rebuilt over a storage later."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype, self.view = tensor.dtype, (tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def over(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=device).set_(storage, *self.view)
+
+
+class _Handle(_View):
+    """A parked tensor: its storage's `_Parked` and the view of it."""
 
     def __init__(self, parked: _Parked, tensor: torch.Tensor):
-        self.parked, self.dtype = parked, tensor.dtype
-        self.view = (tensor.storage_offset(), tensor.shape, tensor.stride())
+        super().__init__(tensor)
+        self.parked = parked
 
     def tensor(self) -> torch.Tensor:
-        storage = self.parked.storage()
-        return torch.empty(0, dtype=self.dtype, device=self.parked.device).set_(storage, *self.view)
+        return self.over(self.parked.storage(), self.parked.device)
 
 
-class _Input:
+class _Input(_View):
     """A saved view of q's, k's or v's storage: read at replay from the recompute's q, k or v (`AttentionRecord.live`)
     through the same view."""
 
     def __init__(self, record: AttentionRecord, index: int, tensor: torch.Tensor):
-        self.record, self.index, self.dtype = record, index, tensor.dtype
-        self.view = (tensor.storage_offset(), tensor.shape, tensor.stride())
+        super().__init__(tensor)
+        self.record, self.index = record, index
 
     def tensor(self) -> torch.Tensor:
         live = self.record.live[self.index]
-        return torch.empty(0, dtype=self.dtype, device=live.device).set_(live.untyped_storage(), *self.view)
+        return self.over(live.untyped_storage(), live.device)
 
 
 def _layout(tensors: tuple[torch.Tensor, ...]) -> tuple:
@@ -165,7 +174,7 @@ class AttentionRecord:
 
     @staticmethod
     def unpack(packed):
-        return packed.tensor() if isinstance(packed, (_Handle, _Input)) else packed
+        return packed.tensor() if isinstance(packed, _View) else packed
 
     def take_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """The recompute's q, k and v, for the stored graph to read; they must lie in their storages as the
