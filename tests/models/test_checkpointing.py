@@ -48,7 +48,7 @@ def test_offloaded_gradients_equal_plain_checkpointing_and_none(arch, dropout):
     reference = loss_and_grads(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plain = loss_and_grads(model)
-    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: MLP tiles of 5, 5, 5 and 1
+    state = enable_offloaded_checkpointing(model, mlp_tile_tokens=5)  # 16 tokens: MLP tiles of at most 5, so 4 of 4
     assert offload_state(model) is state and (state.offloaded, state.split_recomputes) == (0, 0)
     offloaded = loss_and_grads(model)
     assert state.offloaded == 2  # both decoder layers' inputs went through host memory
@@ -137,12 +137,39 @@ def test_two_models_keep_their_own_tiles_and_counters():
     tiled_calls, whole_calls = mlp_call_tokens(tiled), mlp_call_tokens(whole)
     assert_same(reference, loss_and_grads(tiled), "tiles of 5")
     assert_same(reference, loss_and_grads(whole), "no tiles")
-    # 16 tokens per layer: tiles of 5, 5, 5, 1 in the gradient-free forward and again in the recompute, for 2 layers
-    assert tiled_calls == [5, 5, 5, 1] * 4
+    # 16 tokens per layer: 4 tiles of 4 (at most 5 each) in the gradient-free forward and again in the recompute, for
+    # 2 layers
+    assert tiled_calls == [4, 4, 4, 4] * 4
     assert whole_calls == [16] * 4  # the whole sequence at once, forward and recompute, for 2 layers
     assert (tiled_state.offloaded, tiled_state.split_recomputes) == (2, 2)
     assert (whole_state.offloaded, whole_state.split_recomputes) == (2, 2)
     assert offload_state(tiled) is tiled_state and offload_state(whole) is whole_state
+
+
+@pytest.mark.parametrize(("tokens", "tile", "sizes"), [
+    (16, 5, [4, 4, 4, 4]),  # as few tiles as fit, of equal size
+    (16, 7, [6, 6, 4]),  # the last one shorter
+    (16, 16, [16]), (16, 0, [16]), (0, 8, [0]),  # one piece
+    (16640, 8192, [5632, 5632, 5376]),  # W1's 16,384-token row: rounded up to 128 rows, not 8,192 + 8,192 + 256
+    (33024, 8192, [6656] * 4 + [6400]),
+    (300, 200, [150, 150]),  # rounding to 128 would pass the tile: not rounded
+])
+def test_mlp_tiles_are_as_few_and_as_even_as_the_tile_allows(tokens, tile, sizes):
+    from slimrl.models.recompute import tile_bounds
+
+    bounds = tile_bounds(tokens, tile)
+    assert [end - start for start, end in bounds] == sizes
+    assert bounds[0][0] == 0 and bounds[-1][1] == tokens
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))  # contiguous, no overlap
+
+
+def test_uneven_tiles_give_the_untiled_gradients():
+    reference = loss_and_grads(lora_model())
+    model = lora_model()
+    enable_offloaded_checkpointing(model, mlp_tile_tokens=7)
+    calls = mlp_call_tokens(model)
+    assert_same(reference, loss_and_grads(model), "tiles of 6, 6 and 4")
+    assert calls == [6, 6, 4] * 4
 
 
 def test_a_deep_copy_gets_its_own_state_with_the_same_settings():
@@ -170,7 +197,7 @@ def test_a_gradient_free_forward_computes_what_the_checkpointed_forward_computes
     tiles_with_grad, calls[:] = list(calls), []
     with torch.no_grad(), gradient_free_forward(model, {"use_reentrant": False}):
         without_grad = model(input_ids=IDS, attention_mask=MASK).logits
-    assert tiles_with_grad == calls == [5, 5, 5, 1] * 2  # both layers' MLPs in the same tiles, both times
+    assert tiles_with_grad == calls == [4, 4, 4, 4] * 2  # both layers' MLPs in the same tiles, both times
     assert torch.equal(with_grad.detach(), without_grad)
     assert model.is_gradient_checkpointing  # the checkpoint function stayed installed and nothing was undone
 

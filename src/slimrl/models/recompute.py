@@ -175,7 +175,7 @@ def split_forward(state: RecomputeState, layer, kwargs: dict, hidden_states: tor
     fused = _use_fused(hidden_states)
     with one_layer_pass():  # the tiles share the adapters' casts
         residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
-        return residual + _tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
+        return _plus_tiled(lambda t: _mlp_block(layer, t, fused), residual, state.mlp_tile_tokens)
 
 
 def _attention(layer, hidden_states: torch.Tensor, kwargs: dict, fused: bool) -> torch.Tensor:
@@ -195,12 +195,36 @@ def _use_fused(hidden_states: torch.Tensor) -> bool:
     return hidden_states.is_cuda and hidden_states.numel() // hidden_states.shape[-1] >= FUSED_MIN_TOKENS
 
 
-def _tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
-    """A token-wise `function` over [..., tokens, hidden] in tiles of `tile` tokens (0: one piece), under no grad."""
+def tile_bounds(tokens: int, tile: int) -> list[tuple[int, int]]:
+    """(start, end) of the MLP tiles over `tokens` rows: as few tiles of at most `tile` rows as cover them (0: one
+    tile), of equal size rounded up to a multiple of 128 rows where they are that long (the GEMMs' row tile), the last
+    one shorter. Equal tiles, not `tile`-sized ones and a remainder: 16,640 rows in tiles of 8,192 are 5,632 + 5,632 +
+    5,376, not 8,192 + 8,192 + 256 (a 256-row pass over every MLP weight that costs nearly what a full tile's does)."""
+    if tile <= 0 or tokens <= tile:
+        return [(0, tokens)]
+    pieces = -(-tokens // tile)
+    size = -(-tokens // pieces)
+    if size > 128 and -(-size // 128) * 128 <= tile:
+        size = -(-size // 128) * 128
+    return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
+
+
+def _plus_tiled(function, hidden_states: torch.Tensor, tile: int) -> torch.Tensor:
+    """`hidden_states + function(hidden_states)` for a token-wise `function` over [..., tokens, hidden], run in the
+    tiles of `tile_bounds`; no grad (the gradient-free forward): each tile's sum goes into the output in place, where a
+    concatenation of the tiles and then the sum would write the whole output twice."""
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if tile <= 0 or flat.shape[0] <= tile:
-        return function(hidden_states)
-    return torch.cat([function(part) for part in flat.split(tile)]).reshape(hidden_states.shape)
+    bounds = tile_bounds(flat.shape[0], tile)
+    if len(bounds) == 1:
+        return hidden_states + function(hidden_states)
+    out = None
+    for start, end in bounds:
+        branch = function(flat[start:end])
+        if out is None:  # the sum's dtype, as `+` would promote it
+            out = flat.new_empty(flat.shape, dtype=torch.promote_types(flat.dtype, branch.dtype))
+        torch.add(flat[start:end], branch, out=out[start:end])
+        del branch
+    return out.view(hidden_states.shape)
 
 
 def _output_hooked(module: torch.nn.Module) -> bool:
@@ -222,20 +246,22 @@ def _split_backward(state: RecomputeState, layer, kwargs, hidden_states, grad_ou
     residual = hidden_states + _attention(layer, hidden_states, kwargs, fused)
     flat_mid = residual.detach().view(-1, residual.shape[-1])
     flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-    mid_grad = torch.zeros_like(flat_mid)  # [tokens, hidden]: d loss / d h through the MLP branch
-    tile = state.mlp_tile_tokens if state.mlp_tile_tokens > 0 else flat_mid.shape[0]
+    # d loss / d h: the layer output's gradient (the residual path) plus the MLP branch's, summed tile by tile
+    total = torch.empty_like(flat_grad)
     # the tiles' outputs only carry their gradients back: a fused LoRA MLP need not compute them (unless a forward
     # hook reads them)
     unread = output_unread if not _output_hooked(layer.mlp) else contextlib.nullcontext
-    for start in range(0, flat_mid.shape[0], tile):
-        part = flat_mid[start : start + tile].detach().requires_grad_(True)  # a leaf per tile
+    for start, end in tile_bounds(flat_mid.shape[0], state.mlp_tile_tokens):
+        part = flat_mid[start:end].detach().requires_grad_(True)  # a leaf per tile
         with unread():
             out = _mlp_block(layer, part, fused)
-        (part_grad,) = weights.backprop([out], [flat_grad[start : start + tile]], [part])
-        if part_grad is not None:
-            mid_grad[start : start + tile] = part_grad
+        (part_grad,) = weights.backprop([out], [flat_grad[start:end]], [part])
+        if part_grad is None:
+            total[start:end] = flat_grad[start:end]
+        else:
+            torch.add(flat_grad[start:end], part_grad, out=total[start:end])
         del out, part_grad  # this tile's MLP activations go before the next tile's are made
     if not residual.requires_grad:
         return None
-    (grad,) = weights.backprop([residual], [grad_output + mid_grad.view_as(grad_output)], [hidden_states])
+    (grad,) = weights.backprop([residual], [total.view_as(grad_output)], [hidden_states])
     return grad

@@ -43,9 +43,9 @@ class SlimFields:
     mlp_tile_tokens: int = field(
         default=8192,
         metadata={
-            "help": "With offloaded checkpoints, recompute each Llama-family decoder MLP over tiles of this many "
-            "tokens, forward and backward per tile, so a long sequence's MLP activations never exist at once (no "
-            "extra compute). 0 disables tiling."
+            "help": "With offloaded checkpoints, recompute each Llama-family decoder MLP over tiles of at most this "
+            "many tokens (as few as cover the chunk, of equal size), forward and backward per tile, so a long "
+            "sequence's MLP activations never exist at once (no extra compute). 0 disables tiling."
         },
     )
     keep_attention_tokens: int = field(
