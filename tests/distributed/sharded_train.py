@@ -97,10 +97,10 @@ if __name__ == "__main__":
         skip_deepspeed_shm_build()
         config = dict(deepspeed=ZERO3)
     config["gradient_accumulation_steps"] = 2  # the chunked step inside an accumulation (DeepSpeed's boundary)
-    logs = {
-        "trl": split_group_log("trl", **config),
-        "slimrl": split_group_log("slimrl", num_chunks=2, generation_backend="transformers", **config),
-    }
+    logs = {"trl": split_group_log("trl", **config)}
+    if mode == "fsdp2":  # TRL's generation under sharding with slimrl's chunked step (ZeRO-3 runs the engine only: the
+        # chunked step is the same, and each ZeRO-3 trainer pays DeepSpeed's start-up on this 2-core machine)
+        logs["slimrl"] = split_group_log("slimrl", num_chunks=2, generation_backend="transformers", **config)
     gathers = watch_gathers()
     trainer = split_group_trainer("slimrl", num_chunks=2, generation_backend="engine", **config)
     logs["slimrl_engine"] = trainer.state.log_history

@@ -1,6 +1,7 @@
 """Sharded training on 2 CPU processes (gloo): FSDP2 and DeepSpeed ZeRO-3 through accelerate, slimrl's chunked step
 (2 chunks inside a 2-step gradient accumulation) and its rollout engine over the gathered weights log the same curve
-as TRL under the same config and seed, with LoRA on the sharded base and in full fine-tuning; the engine saw every
+as TRL under the same config and seed (under FSDP2 also with TRL's generation path), with LoRA on the sharded base
+and in full fine-tuning; the engine saw every
 weight whole inside each rollout, and the weights were sharded again after it. Also: the checks before training for
 a model that cannot be gathered, and the MLP tiles under DeepSpeed."""
 
@@ -21,7 +22,8 @@ def test_two_process_sharded_training_matches_trl(tmp_path, mode, port, distribu
     run_two_processes("tests.distributed.sharded_train", [mode, str(out)], port, timeout=900)
     logs = json.loads(out.read_text())
     assert logs["num_processes"] == 2 and logs["distributed_type"] == distributed_type
-    assert_same_curves(logs["trl"], logs["slimrl"])
+    if mode == "fsdp2":  # TRL's generation path with slimrl's chunked step (run under FSDP2 only: sharded_train.py)
+        assert_same_curves(logs["trl"], logs["slimrl"])
     assert_same_curves(logs["trl"], logs["slimrl_engine"])
     assert_same_curves(logs["trl_full"], logs["slimrl_engine_full"])  # full fine-tuning, every weight sharded
     engine = logs["engine"]

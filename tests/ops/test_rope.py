@@ -118,8 +118,10 @@ def step(model, ids, mask):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 (the interpreter's slowest case) on llama and qwen3 only: qwen2's and mistral's attention rotate as llama's does
+# (qwen2 adds biases to the projections before it, mistral a sliding window after it), and fp32 runs all four
+@pytest.mark.parametrize("arch, dtype", [(arch, torch.float32) for arch in ("llama", "qwen2", "qwen3", "mistral")]
+                         + [("llama", torch.bfloat16), ("qwen3", torch.bfloat16)])  # fmt: skip
 def test_attention_forward_equals_the_blocks_own(arch, dtype, monkeypatch):
     """Two copies of one model, projections fused in both (peft's own forwards would differ in the last bits
     otherwise), one with the attention block switched: equal logits and LoRA gradients, bit for bit. The q/k/v
