@@ -11,6 +11,8 @@ training phase by each trainer's own scoring pass, whose peak is reported too.
 --unsloth-site DIR adds Unsloth as a third side in the same run (bench/unsloth_side.py, in a process of its own with
 DIR, where Unsloth and its TRL are installed, first on its path; ../shared/bench/anchors/README.md says which wheels).
 --model llama8b runs Llama-3.1-8B's shape instead of W1's (issue 34's row: `--model llama8b --trainers slimrl 20480`).
+--isolate runs each side (TRL, slimrl, each --variants spec) in a process of its own on the same weights, as Unsloth's
+always runs: one after another in one process, a side's step can run slower than alone (the host-bound short rows).
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainers", default="trl,slimrl")
     parser.add_argument("--skip-trl-above", type=int, default=32768, help="TRL does not fit beyond this in 80 GB")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--isolate", action="store_true",
+                        help="each side (TRL, slimrl, each --variants spec) in a process of its own, as Unsloth's "
+                        "always is, instead of one after another in this one on the same model")  # fmt: skip
     parser.add_argument("--model", default="w1", choices=("w1", "llama8b"), help="W1's shape or Llama-3.1-8B's")
     parser.add_argument("--unsloth-site", default=None, help="a folder with Unsloth installed: adds it as a side")
     parser.add_argument("--repeats", type=int, default=1, help="timed iterations after one untimed, median reported "
@@ -232,11 +237,18 @@ def main(argv=None) -> None:
               "gpu": torch.cuda.get_device_name(),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "trl": trl.__version__, "peft": peft.__version__}, "results": {}}  # fmt: skip
-    model = build_model(args.model)
-    report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     path = out / f"grpo_memory{args.tag}.json"
-    for kind, variant in planned_runs(args):
-        run_lengths(kind, variant, model, args, report, path)
+    if args.isolate:
+        report["isolated"] = True
+        for name, command in side_commands(args, out):
+            run_side(name, command, report, path)
+        model = build_model(args.model)  # Unsloth's side is saved from it (the children built the same weights)
+        report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    else:
+        model = build_model(args.model)
+        report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        for kind, variant in planned_runs(args):
+            run_lengths(kind, variant, model, args, report, path)
     if args.unsloth_site:
         run_unsloth(model, args, report, out)
     path.write_text(json.dumps(report, indent=2))
@@ -244,6 +256,34 @@ def main(argv=None) -> None:
         plot(report, out / f"grpo_memory{args.tag}.png")
     except ImportError as error:  # matplotlib is not on every GPU image; the JSON is the record
         print(f"no plot: {error}")
+
+
+def side_commands(args, out: Path) -> list[tuple[str, list[str]]]:
+    """(name, command) of each side's own process under --isolate: this script with the same lengths and settings and
+    one trainer or one --variants spec, its report in a folder of its own. The model is built from the same seeds in
+    every process (build_model), so every side trains the same weights on the same inputs. The names are
+    planned_runs's, whose results the process reports under its spec's first name (renamed in `run_side`)."""
+    shared = [f"--beta={args.beta}", f"--skip-trl-above={args.skip_trl_above}", f"--repeats={args.repeats}",
+              f"--cudnn-sdpa={args.cudnn_sdpa}", f"--model={args.model}", *map(str, args.lengths)]  # fmt: skip
+    commands = []
+    for index, (name, variant) in enumerate(planned_runs(args)):
+        which = ["--trainers", name] if variant is None else ["--trainers", "", "--variants", name.split("#")[0][7:-1]]
+        commands.append((name, [sys.executable, str(Path(__file__).resolve()), "--out", str(out / f"side{index}"),
+                                *which, *shared]))  # fmt: skip
+    return commands
+
+
+def run_side(name: str, command: list[str], report: dict, path: Path) -> None:
+    """One --isolate side: its process's results join the report under the side's name."""
+    finished = subprocess.run(command, check=False)
+    side = Path(command[command.index("--out") + 1]) / "grpo_memory.json"
+    if not side.exists():
+        report["results"][name] = f"failed (exit {finished.returncode}; see the run's log)"
+    else:
+        first = name.split("#")[0]  # a spec given again: its process named it as the first
+        for key, value in json.loads(side.read_text())["results"].items():
+            report["results"][name + key[len(first):] if key.startswith(first + "_L") else key] = value
+    path.write_text(json.dumps(report, indent=2))
 
 
 def run_unsloth(model, args, report: dict, out: Path) -> None:

@@ -1,7 +1,8 @@
-"""bench/profile_w1.py sorts CUDA kernels into families by name, and bench/grpo_memory.py parses its variants; the GPU
-runs themselves are benchmarks (no CPU test)."""
+"""bench/profile_w1.py sorts CUDA kernels into families by name, and bench/grpo_memory.py parses its variants and runs
+each side in a process of its own under --isolate; the GPU runs themselves are benchmarks (no CPU test)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,34 @@ def test_gap_causes_split_each_gap_into_host_time_and_waiting_and_name_them():
     assert causes["gaps_by_size"]["50-500us"] == {"count": 1, "ms": 0.4}
     # every launch counted where the host made it (k2 was launched at 98-100, inside forward alone)
     assert causes["launch_sites"]["launch: slimrl/models/checkpointing.py:10 forward"]["count"] == 5
+
+
+def test_grpo_memory_isolate_runs_each_side_in_its_own_process_and_keeps_every_name(tmp_path):
+    """--isolate: one process of the script per side with that side alone and the run's settings; the results come
+    back under the sides' own names (a spec given again as #2, as in one process)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "grpo_memory.py"
+    spec = importlib.util.spec_from_file_location("grpo_memory_isolate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["1024", "4096", "--isolate", "--repeats", "3", "--variants", "auto/8192/1;auto/8192/1"])
+    commands = module.side_commands(args, tmp_path)
+    assert [name for name, _ in commands] == ["trl", "slimrl", "slimrl[auto/8192/1]", "slimrl[auto/8192/1]#2"]
+    for name, command in commands:
+        assert command[1] == str(path) and "--isolate" not in command
+        assert command[-2:] == ["1024", "4096"] and "--repeats=3" in command and "--beta=0.0" in command
+        which = command[command.index("--trainers") + 1 : command.index("--beta=0.0")]
+        assert which == ([name] if "[" not in name else ["", "--variants", "auto/8192/1"])
+    assert len({command[command.index("--out") + 1] for _, command in commands}) == 4  # a folder each
+
+    # a side's process reports its spec under the first name; the parent files it under the side's own
+    report, out = {"results": {}}, tmp_path / "report.json"
+    for name, command in commands[2:]:
+        side = Path(command[command.index("--out") + 1])
+        side.mkdir()
+        (side / "grpo_memory.json").write_text(json.dumps({"results": {"slimrl[auto/8192/1]_L1024": {"s": name}}}))
+        module.run_side(name, ["true", *command[2:]], report, out)
+    assert report["results"] == {"slimrl[auto/8192/1]_L1024": {"s": "slimrl[auto/8192/1]"},
+                                 "slimrl[auto/8192/1]#2_L1024": {"s": "slimrl[auto/8192/1]#2"}}  # fmt: skip
+    module.run_side("trl", ["false", *commands[0][1][2:]], report, out)  # no report written: the failure is kept
+    assert report["results"]["trl"].startswith("failed (exit 1")
+    assert json.loads(out.read_text()) == report
