@@ -362,3 +362,43 @@ def test_the_trainers_remote_engine_refuses_instead_of_capping_completions(monke
     trainer = build_trainer("slimrl", reward_funcs=length_reward, generation_device="cpu")
     assert isinstance(trainer._engine(), Recorder)
     assert built["device"] == "cpu" and built["cap_completions"] is False
+
+
+def _trainer_that_vanishes(port: int) -> None:
+    """A forked 'trainer': joins the channel, sends one request, and ends without "stop" (as a killed trainer does)."""
+    import os
+
+    from slimrl.distributed.transport import Channel, engine_store
+
+    Channel(engine_store("127.0.0.1", port), rank=0).send_object({"op": "describe"})
+    os._exit(0)
+
+
+def test_the_engine_stops_with_one_line_when_its_trainer_vanishes(capfd):
+    import multiprocessing
+
+    from slimrl.distributed.rollout_server import next_message
+    from slimrl.distributed.transport import Channel, trainer_store
+
+    store = trainer_store()  # this process plays the engine's end; its peer is the forked trainer
+    trainer = multiprocessing.get_context("fork").Process(target=_trainer_that_vanishes, args=(store.port,))
+    trainer.start()
+    channel = Channel(store, rank=1)
+    assert next_message(channel) == {"op": "describe"}
+    trainer.join(timeout=30)
+    assert next_message(channel) is None  # the trainer's socket closed: no gloo traceback, the engine stops
+    err = capfd.readouterr().err
+    assert "the trainer process closed its connection without stopping the engine" in err
+    assert "Traceback" not in err
+
+
+def test_the_engine_raises_what_is_not_a_vanished_trainer():
+    from types import SimpleNamespace
+
+    from slimrl.distributed.rollout_server import next_message
+
+    def broken():
+        raise RuntimeError("unpickling failed")
+
+    with pytest.raises(RuntimeError, match="unpickling failed"):
+        next_message(SimpleNamespace(recv_object=broken))

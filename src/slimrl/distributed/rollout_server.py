@@ -2,7 +2,8 @@
 
 `serve(host, port)` is the process's entry point (the trainer starts it with torch.multiprocessing's spawn). It joins
 the trainer's channel (transport.py), receives the model's description and every tensor of its state once, builds
-the same peft model on its device with slimrl's RolloutEngine over it, and then answers messages until "stop".
+the same peft model on its device with slimrl's RolloutEngine over it, and then answers messages until "stop" (or until
+the trainer's end of the connection closes: one line on stderr, and the process ends).
 The base is loaded from the received state by transformers' loader, as the trainer's was; a 4-bit or 8-bit base travels
 as bitsandbytes serialises it (packed weights and quantisation constants) and is loaded back pre-quantised, so the
 engine's base is the trainer's bit for bit and as small on its device. Messages:
@@ -18,6 +19,7 @@ engine's base is the trainer's bit for bit and as small on its device. Messages:
 from __future__ import annotations
 
 import copy
+import sys
 import traceback
 
 import torch
@@ -113,6 +115,24 @@ def state_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+# how gloo reports the other end's socket closing (torch 2.11-2.13): the trainer exited or was killed without "stop"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def next_message(channel: Channel) -> dict | None:
+    """The trainer's next message, or None when the trainer is gone (its process ended without sending "stop": killed,
+    crashed, or exited before its engine was closed): the engine then stops with one line on stderr, not gloo's
+    traceback. Any other failure raises."""
+    try:
+        return channel.recv_object()
+    except RuntimeError as error:
+        if not any(text in str(error) for text in PEER_GONE):
+            raise
+    print("slimrl: the engine process stops: the trainer process closed its connection without stopping the engine "
+          "(it exited, crashed or was killed)", file=sys.stderr, flush=True)  # fmt: skip
+    return None
+
+
 def serve(host: str, port: int) -> None:
     from slimrl.rollout.engine import RolloutEngine
 
@@ -131,7 +151,9 @@ def serve(host: str, port: int) -> None:
     adapter = [named[name] for name in spec["adapter_names"]]
     engine = RolloutEngine(model, max_seq_len=spec["max_seq_len"], **spec["engine_options"])
     while True:
-        message = channel.recv_object()
+        message = next_message(channel)
+        if message is None:
+            return
         op = message["op"]
         if op == "adapter":
             recv_adapter_into(channel, message, adapter)
