@@ -242,8 +242,7 @@ def main(argv=None) -> None:
         report["isolated"] = True
         for name, command in side_commands(args, out):
             run_side(name, command, report, path)
-        model = build_model(args.model)  # Unsloth's side is saved from it (the children built the same weights)
-        report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        model = build_model(args.model) if args.unsloth_site else None  # Unsloth's side is saved from it
     else:
         model = build_model(args.model)
         report["weights_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -265,9 +264,10 @@ def side_commands(args, out: Path) -> list[tuple[str, list[str]]]:
     planned_runs's, whose results the process reports under its spec's first name (renamed in `run_side`)."""
     shared = [f"--beta={args.beta}", f"--skip-trl-above={args.skip_trl_above}", f"--repeats={args.repeats}",
               f"--cudnn-sdpa={args.cudnn_sdpa}", f"--model={args.model}", *map(str, args.lengths)]  # fmt: skip
+    kinds, specs = list(filter(None, args.trainers.split(","))), list(filter(None, args.variants.split(";")))
     commands = []
-    for index, (name, variant) in enumerate(planned_runs(args)):
-        which = ["--trainers", name] if variant is None else ["--trainers", "", "--variants", name.split("#")[0][7:-1]]
+    for index, ((name, _), spec) in enumerate(zip(planned_runs(args), [None] * len(kinds) + specs, strict=True)):
+        which = ["--trainers", name] if spec is None else ["--trainers", "", "--variants", spec]
         commands.append((name, [sys.executable, str(Path(__file__).resolve()), "--out", str(out / f"side{index}"),
                                 *which, *shared]))  # fmt: skip
     return commands
@@ -280,8 +280,10 @@ def run_side(name: str, command: list[str], report: dict, path: Path) -> None:
     if not side.exists():
         report["results"][name] = f"failed (exit {finished.returncode}; see the run's log)"
     else:
-        first = name.split("#")[0]  # a spec given again: its process named it as the first
-        for key, value in json.loads(side.read_text())["results"].items():
+        first, side_report = name.split("#")[0], json.loads(side.read_text())  # a spec given again: named as the first
+        if "weights_GiB" in side_report:  # the same model in every side's process
+            report.setdefault("weights_GiB", side_report["weights_GiB"])
+        for key, value in side_report["results"].items():
             report["results"][name + key[len(first):] if key.startswith(first + "_L") else key] = value
     path.write_text(json.dumps(report, indent=2))
 

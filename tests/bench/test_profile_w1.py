@@ -164,10 +164,12 @@ def test_grpo_memory_isolate_runs_each_side_in_its_own_process_and_keeps_every_n
     for name, command in commands[2:]:
         side = Path(command[command.index("--out") + 1])
         side.mkdir()
-        (side / "grpo_memory.json").write_text(json.dumps({"results": {"slimrl[auto/8192/1]_L1024": {"s": name}}}))
+        (side / "grpo_memory.json").write_text(json.dumps({"results": {"slimrl[auto/8192/1]_L1024": {"s": name}},
+                                                           "weights_GiB": 3.15}))  # fmt: skip
         module.run_side(name, ["true", *command[2:]], report, out)
     assert report["results"] == {"slimrl[auto/8192/1]_L1024": {"s": "slimrl[auto/8192/1]"},
                                  "slimrl[auto/8192/1]#2_L1024": {"s": "slimrl[auto/8192/1]#2"}}  # fmt: skip
+    assert report["weights_GiB"] == 3.15  # from the sides' reports (the parent builds no model of its own)
     module.run_side("trl", ["false", *commands[0][1][2:]], report, out)  # no report written: the failure is kept
     assert report["results"]["trl"].startswith("failed (exit 1")
     assert json.loads(out.read_text()) == report
