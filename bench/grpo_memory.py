@@ -132,7 +132,9 @@ def measure(trainer, length: int, beta: float, cudnn_sdpa: str = "as-trainer", r
     if repeats > 1:
         result["s_each"], result["gc_ms_each"] = every, gc_ms
     grads = [p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None]
+    # reserved too: a CUDA graph's private pool is memory the allocator holds that its allocated count leaves out
     result.update(peak_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2), s=round(seconds, 3),
+                  peak_reserved_GiB=round(torch.cuda.max_memory_reserved() / 2**30, 2),
                   loss=loss.item(), grad_norm=torch.stack(grads).sum().sqrt().item(),
                   tokens=B * (P + length))  # fmt: skip
     if hasattr(trainer, "last_auto_chunks"):
@@ -164,7 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="slimrl settings to compare, e.g. '8/8192/1;8/0/0;auto/8192/1/0' = "
         "num_chunks/mlp_tile_tokens/offload (0 or 1)[/fast_lora (0, 1, or noattn: on but the attention blocks (their "
-        "rotary embedding) left as the model's)][/keep_attention_tokens (0: recompute attention)]; each is measured "
+        "rotary embedding) left as the model's)][/keep_attention_tokens (0: recompute attention)][/layer_cuda_graphs "
+        "(0 or 1)]; each is measured "
         "as slimrl[variant], a variant given again as slimrl[variant]#2, #3, ...",
     )
     return parser.parse_args(argv)
@@ -185,6 +188,8 @@ def planned_runs(args) -> list[tuple[str, dict | None]]:
             variant["attention"] = fast[0] != "noattn"
         if len(fast) > 1:
             variant["keep_attention_tokens"] = int(fast[1])
+        if len(fast) > 2:
+            variant["layer_cuda_graphs"] = fast[2] == "1"
         runs.append((f"slimrl[{spec}]" + (f"#{given[spec]}" if given[spec] > 1 else ""), variant))
     return runs
 

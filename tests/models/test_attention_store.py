@@ -158,3 +158,7 @@ def test_the_demo_passes_its_setting_to_the_trainer_config(tmp_path):
     assert GRPOConfig(**grpo_config_kwargs(DemoSettings(), tmp_path, "cpu")).keep_attention_tokens == 4096
     chosen = GRPOConfig(**grpo_config_kwargs(DemoSettings(keep_attention_tokens=1), tmp_path, "cpu"))
     assert chosen.keep_attention_tokens == 1
+    # the layer graphs' switch the same way (on by default)
+    assert GRPOConfig(**grpo_config_kwargs(DemoSettings(), tmp_path, "cpu")).layer_cuda_graphs
+    off = GRPOConfig(**grpo_config_kwargs(DemoSettings(layer_cuda_graphs=False), tmp_path, "cpu"))
+    assert not off.layer_cuda_graphs

@@ -142,7 +142,8 @@ def test_constructor_and_config_keep_trls_positions(algorithm):
     trl_names = [f.name for f in dataclasses.fields(theirs_config)]
     assert names[: len(trl_names)] == trl_names
     assert names[len(trl_names):] == ["num_chunks", "offload_checkpoints", "mlp_tile_tokens", "keep_attention_tokens",
-                                      "fast_lora", "on_nonfinite", "drop_chunk_padding"]  # fmt: skip
+                                      "layer_cuda_graphs", "fast_lora", "on_nonfinite",
+                                      "drop_chunk_padding"]  # fmt: skip
 
 
 @pytest.mark.parametrize("algorithm", ["orpo", "cpo"])

@@ -81,6 +81,9 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
                       help="with --gradient-checkpointing on CUDA: sequences of at least this many tokens keep their "
                       "attention from the forward instead of recomputing it (GRPOConfig.keep_attention_tokens; 1: "
                       "every sequence, which runs that path on the demo's short rows)")  # fmt: skip
+    demo.add_argument("--no-layer-cuda-graphs", dest="layer_cuda_graphs", action="store_false",
+                      help="with --gradient-checkpointing on CUDA: run every decoder layer pass eagerly instead of "
+                      "replaying repeated shapes as CUDA graphs (GRPOConfig.layer_cuda_graphs=False)")  # fmt: skip
     demo.add_argument("--teacher-steps", type=int, default=defaults.teacher_steps,
                       help="distillation: the teacher is the model after this many SFT steps (8 correct answers "
                       "each) on a LoRA, merged")  # fmt: skip

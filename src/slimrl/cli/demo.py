@@ -64,6 +64,7 @@ class DemoSettings:
     # not need it, but it runs the training step as a long-context run would
     gradient_checkpointing: bool = False
     keep_attention_tokens: int | None = None  # GRPOConfig.keep_attention_tokens (None: the config's default)
+    layer_cuda_graphs: bool = True  # GRPOConfig.layer_cuda_graphs (repeated layer passes replayed as CUDA graphs)
     # distillation's teacher: the base with this LoRA adapter merged (a folder a demo run saved), else the base after
     # teacher_steps SFT steps on correct answers to training problems
     teacher_adapter: str | None = None

@@ -50,6 +50,7 @@ def common_config_kwargs(settings, output_dir: Path, device: str) -> dict:
         generation_backend=settings.generation_backend,
         on_nonfinite=settings.on_nonfinite,
         **({} if settings.keep_attention_tokens is None else {"keep_attention_tokens": settings.keep_attention_tokens}),
+        layer_cuda_graphs=settings.layer_cuda_graphs,
     )
 
 

@@ -33,13 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimrl.models import attention_store
+from slimrl.models import attention_store, layer_graphs
 from slimrl.models.recompute import (
     SPLIT_LAYER_TYPES,
     Weights,
     layer_of,
-    split_backward,
-    split_forward,
     splittable_layer,
     trainable_weights,
 )
@@ -75,7 +73,7 @@ class OffloadState:
     """
 
     def __init__(self, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS, min_offload_bytes: int = MIN_OFFLOAD_BYTES,
-                 weights_in_graph: bool = True, attention_tokens: int = 0):  # fmt: skip
+                 weights_in_graph: bool = True, attention_tokens: int = 0, cuda_graphs: bool = False):  # fmt: skip
         self.mlp_tile_tokens = mlp_tile_tokens  # MLP tile of the split recompute; 0: the whole sequence at once
         # Llama-family layers over sequences of at least this many tokens keep their attention's graph from the
         # forward (its saved tensors parked like the checkpoint), so the recompute skips it; 0: never
@@ -89,11 +87,16 @@ class OffloadState:
         self.offloaded = 0  # tensors parked in host memory so far (tests read it to know the copy path ran)
         self.split_recomputes = 0  # layers recomputed attention-then-MLP-tiles so far (tests read it)
         self.kept_attention = 0  # layer calls whose recompute took the attention stored by their forward
+        # True: split layers' passes on CUDA are replayed as CUDA graphs once their shapes come back
+        # (models/layer_graphs.py); needs weights_in_graph (sharded weights move between passes)
+        self.cuda_graphs = cuda_graphs
+        self.graphs: layer_graphs.LayerGraphs | None = None
         self.side: dict[torch.device, torch.cuda.Stream] = {}
         self.last: _Stash | None = None
 
     def __deepcopy__(self, memo) -> OffloadState:
-        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes, self.weights_in_graph, self.attention_tokens)
+        return OffloadState(self.mlp_tile_tokens, self.min_offload_bytes, self.weights_in_graph, self.attention_tokens,
+                            self.cuda_graphs)  # fmt: skip
 
     def checkpoint(self, function, hidden_states, *args, preserve_rng_state: bool = True, **kwargs):
         """Drop-in for `torch.utils.checkpoint.checkpoint` as transformers calls it: function(hidden_states, *args)."""
@@ -106,7 +109,8 @@ class OffloadState:
             # a gradient-free pass (a reference model's, PPO's old log-probs) computes what the training forward
             # computes, op for op: in bf16 the MLP's tiles and the fused ops round differently from the whole layer
             split = splittable_layer(function, args)
-            return function(hidden_states, *args) if split is None else split_forward(self, *split, hidden_states)
+            return function(hidden_states, *args) if split is None else layer_graphs.split_forward(self, *split,
+                                                                                                    hidden_states)
         # An unknown layer's weights cannot be named, so its recompute accumulates into them (correct on one process)
         weights = trainable_weights(layer) if self.weights_in_graph and layer is not None else None
         # A grad-requiring anchor makes autograd call backward even when no input of the node requires grad (a frozen
@@ -198,7 +202,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if ctx.split is None:
                 return function(hidden_states, *other_args)
             with _attention_kept(state, stash.attention, replay=False):
-                output = split_forward(state, *ctx.split, hidden_states)
+                output = layer_graphs.split_forward(state, *ctx.split, hidden_states, kept_attention=stash.attention)
         if not stash.attention:  # nothing stored (the layer's attention is not slimrl's): the recompute runs it
             stash.attention = None
         return output
@@ -224,7 +228,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if ctx.split is not None:
                 with torch.enable_grad(), torch.amp.autocast(hidden_states.device.type, **ctx.autocast), \
                         _attention_kept(state, stash.attention, replay=True):  # fmt: skip
-                    input_grads = [split_backward(state, *ctx.split, hidden_states, output_grads[0], weights)]
+                    input_grads = [layer_graphs.split_backward(state, *ctx.split, hidden_states, output_grads[0],
+                                                               weights, kept_attention=stash.attention)]  # fmt: skip
                 if stash.previous is not None and not stash.previous.consumed:
                     # the previous layer's stored attention output, once this layer's tensors are gone (not
                     # earlier: it would add to this layer's peak); its replay then fetches the rest
@@ -337,13 +342,15 @@ def enable_offloaded_checkpointing(
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     weights_in_graph: bool = True,
     attention_tokens: int = 0,
+    cuda_graphs: bool = False,
 ) -> OffloadState:
     """Checkpoint every decoder layer with offloading to host memory; returns the model's `OffloadState`. Survives
     later `gradient_checkpointing_enable` calls (HF Trainer makes one when `gradient_checkpointing=True`): they
     re-install the offloading function. `mlp_tile_tokens` (0: no tiling) sets the MLP tile of the split recompute;
     checkpoints under `min_offload_bytes` stay on the GPU; `weights_in_graph=False` (FSDP, ZeRO-3) lets the recompute
     accumulate into the weights itself; layers over sequences of at least `attention_tokens` tokens (0: none) keep
-    their attention from the forward instead of recomputing it (models/attention_store.py). Calling it again updates
+    their attention from the forward instead of recomputing it (models/attention_store.py); `cuda_graphs` replays the
+    split layers' passes on CUDA as graphs once their shapes repeat (models/layer_graphs.py). Calling it again updates
     the settings."""
     if mlp_tile_tokens < 0:
         raise ValueError(f"mlp_tile_tokens must be >= 0, got {mlp_tile_tokens}")
@@ -352,12 +359,14 @@ def enable_offloaded_checkpointing(
     base = hf_model(model)
     state = getattr(base, _STATE, None)
     if state is None:
-        state = OffloadState(mlp_tile_tokens, min_offload_bytes, weights_in_graph, attention_tokens)
+        state = OffloadState(mlp_tile_tokens, min_offload_bytes, weights_in_graph, attention_tokens, cuda_graphs)
         base._slimrl_original_gc_enable = base.gradient_checkpointing_enable
         base.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, base)
         setattr(base, _STATE, state)
     state.mlp_tile_tokens, state.min_offload_bytes, state.weights_in_graph, state.attention_tokens = (
         mlp_tile_tokens, min_offload_bytes, weights_in_graph, attention_tokens)
+    if state.cuda_graphs != cuda_graphs:
+        state.cuda_graphs, state.graphs = cuda_graphs, None
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return state
 

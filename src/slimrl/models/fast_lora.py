@@ -61,6 +61,8 @@ SLIDING_WINDOW = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2At
                   "Qwen3Attention": "module"}  # fmt: skip
 
 
+_SWITCHES = [0]  # modules switched either way since import (`switches`)
+
 # what `describe_fast_lora` counts: each kind's fused forward (defined below)
 FORWARDS = {"mlp": "_fast_mlp_forward", "linear": "_fast_linear_forward", "norm": "_fast_norm_forward",
             "attention": "_fast_attention_forward"}  # fmt: skip
@@ -95,7 +97,14 @@ def disable_fast_lora(model, kind: str | None = None) -> int:
         if inner is not None:  # an instance forward that was there before ours
             module.forward = inner
         restored += 1
+    _SWITCHES[0] += restored
     return restored
+
+
+def switches() -> int:
+    """Modules switched to or from the fused forwards since import: what a cache of a layer's behaviour (a captured
+    CUDA graph, models/layer_graphs.py) compares to know the same code would run."""
+    return _SWITCHES[0]
 
 
 def describe_fast_lora(model) -> dict[str, int]:
@@ -153,6 +162,7 @@ def _install(module, forward) -> int:
         return 0
     vars(module)[FUSED_FORWARD] = vars(module).get("forward")  # None: the class's own forward
     module.forward = types.MethodType(forward, module)
+    _SWITCHES[0] += 1
     return 1
 
 

@@ -116,7 +116,8 @@ class ChunkedTrainerMixin:
             logger.warning("slimrl: the MLP is recomputed untiled (mlp_tile_tokens=0): %s", settings.untiled_because)
         for model in models:
             enable_offloaded_checkpointing(model, settings.mlp_tile_tokens, weights_in_graph=settings.weights_in_graph,
-                                           attention_tokens=args.keep_attention_tokens)  # fmt: skip
+                                           attention_tokens=args.keep_attention_tokens,
+                                           cuda_graphs=getattr(args, "layer_cuda_graphs", True))  # fmt: skip
 
     @property
     def last_auto_chunks(self) -> int | None:

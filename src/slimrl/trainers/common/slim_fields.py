@@ -59,6 +59,17 @@ class SlimFields:
             "1k, hence the default). Adds host memory and copies of about the checkpoints' own. 0 disables."
         },
     )
+    layer_cuda_graphs: bool = field(
+        default=True,
+        metadata={
+            "help": "With offloaded checkpoints on CUDA (one process or DDP), replay each Llama-family decoder layer's "
+            "gradient-free forward and its recompute-and-backward as CUDA graphs once the same shapes come back "
+            "(captured the second time a shape is seen; at most 2 shapes kept): a short sequence's step is bound by "
+            "the host's launches, which a replay removes (W1 at 1,024 tokens: 0.22 s against 0.32 s on an H200). The "
+            "same kernels, bit for bit the same gradients; the passes of layers that keep their attention "
+            "(keep_attention_tokens) stay eager. False: every pass eager."
+        },
+    )
     fast_lora: bool | None = field(
         default=None,
         metadata={
