@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from slimrl.models import layer_graphs
 from slimrl.models.checkpointing import enable_offloaded_checkpointing, offload_state
 from slimrl.models.graph_keys import global_state, kwargs_signature, layer_state
 from slimrl.testing import tiny_model
@@ -173,6 +174,15 @@ def test_graphed_training_equals_eager_step_for_step(arch, dtype):
     for number in range(3):
         assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"rescaled step {number}")
     ids, mask = batch(3, 20, pad=5)  # a new shape
+    replays = state.graphs.replays
     for number in range(3):
         assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"new shape step {number}")
     assert state.graphs.failures == 0 and len(state.graphs.shapes) <= state.graphs.max_shapes
+    assert state.graphs.replays == replays + 2 * layers  # its third step replayed
+    # the graphs out of use after the reference passes and the rescale were let go, and their buffers with them
+    assert state.graphs.releases >= 1
+    for number in range(2):  # eager passes only (a shape seen once each time): the graphs and buffers go
+        ids, mask = batch(2, 30 + number)
+        assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"other shape {number}")
+    graphs = [v for v in state.graphs.entries.values() if isinstance(v, layer_graphs._Graph)]
+    assert not state.graphs.shapes and not graphs

@@ -24,6 +24,8 @@ layers on CUDA):
   pass holds): the captured pass writes them into one flat buffer per dtype, cloned after the replay.
 - A pass whose capture fails (an operation a graph cannot hold, such as a host synchronisation) is logged once and
   runs eagerly from then on. At most `max_shapes` input shapes keep graphs; a new one evicts the least recently used.
+  Once every layer has run a forward and a backward pass without a replay (the shapes moved on), all graphs and
+  their buffers are let go (`LayerGraphs.release`): graphs no pass uses hold no memory.
 
 Not used where a replay could miss a change: sharded weights (FSDP, DeepSpeed: `weights_in_graph=False`), a layer
 whose attention is kept from the forward (models/attention_store.py parks it in host memory), a layer with active
@@ -47,6 +49,7 @@ from slimrl.models.recompute import RecomputeState, Weights, _walk
 logger = logging.getLogger(__name__)
 
 CAPTURE_AFTER = 2  # a key runs eagerly until it is seen this many times, then it is captured and replayed
+KEPT_COUNTS = 64  # keys counted but not captured, per layer, before the counts start again
 
 
 def split_forward(state: RecomputeState, layer, kwargs: dict, hidden_states: torch.Tensor,
@@ -85,6 +88,8 @@ def _graphs_for(state, hidden_states: torch.Tensor, kept_attention) -> LayerGrap
     on, the weights passed through the checkpoint node (`weights_in_graph`), the attention not kept from the forward
     (its records live outside any graph)."""
     if not (state.cuda_graphs and state.weights_in_graph and hidden_states.is_cuda and kept_attention is None):
+        if state.graphs is not None:
+            state.graphs.ran_eagerly()
         return None
     if state.graphs is None:
         state.graphs = LayerGraphs()
@@ -161,6 +166,9 @@ class LayerGraphs:
         self.captures = 0  # passes captured so far (tests read these)
         self.replays = 0
         self.failures = 0
+        self.releases = 0
+        self.layers: set[int] = set()  # the layers seen (ids)
+        self.idle = 0  # passes run eagerly since the last replay
 
     # -- the two passes -------------------------------------------------------------------------------------------
     def forward(self, layer, kwargs: dict, hidden_states: torch.Tensor, run: Callable) -> torch.Tensor:
@@ -245,15 +253,34 @@ class LayerGraphs:
     def _entry(self, key):
         """The key's graph, "capture" when it is due, or None (run eagerly)."""
         if key is None:
+            self.ran_eagerly()
             return None
+        self.layers.add(key[2])
         found = self.entries.get(key, 0)
         if isinstance(found, _Graph):
             self.shapes.move_to_end(key[1])
+            self.idle = 0
             return found
+        self.ran_eagerly()
         if found == "eager":
             return None
+        if found == 0 and len(self.entries) > KEPT_COUNTS * len(self.layers):  # shapes seen once, long ago
+            self.entries = {k: v for k, v in self.entries.items() if not isinstance(v, int)}
         self.entries[key] = found + 1
         return "capture" if found + 1 >= CAPTURE_AFTER else None
+
+    def ran_eagerly(self) -> None:
+        """Count a pass that replayed nothing. Once every layer has run a forward and a backward pass since the last
+        replay, the graphs are out of use (the shapes moved on: longer sequences, a layer keeping its attention) and
+        everything they hold goes: their static buffers at once, their pool's memory to the allocator's next release."""
+        self.idle += 1
+        if self.shapes and self.idle > 2 * len(self.layers):
+            self.release()
+
+    def release(self) -> None:
+        torch.cuda.current_stream().synchronize()  # no replay of a graph let go is still running
+        self.entries, self.shapes, self.pool, self.idle = {}, OrderedDict(), None, 0
+        self.releases += 1
 
     def _statics(self, key: tuple, kwargs: dict) -> _Statics:
         shape = key[1]
@@ -316,6 +343,7 @@ class LayerGraphs:
                            key[0], type(error).__name__, error)  # fmt: skip
             return None
         self.captures += 1
+        self.idle = 0
         return graph
 
 
