@@ -279,7 +279,9 @@ class LayerGraphs:
 
     def release(self) -> None:
         torch.cuda.current_stream().synchronize()  # no replay of a graph let go is still running
-        self.entries, self.shapes, self.pool, self.idle = {}, OrderedDict(), None, 0
+        # the counts stay: a shape the passes moved on to is captured when it comes back, as before
+        self.entries = {k: v for k, v in self.entries.items() if not isinstance(v, _Graph)}
+        self.shapes, self.pool, self.idle = OrderedDict(), None, 0
         self.releases += 1
 
     def _statics(self, key: tuple, kwargs: dict) -> _Statics:
