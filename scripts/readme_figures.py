@@ -215,11 +215,26 @@ def render_w1(b: dict[str, Source]) -> str:
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The rows up to "
         f"{lengths[-1]:,} tokens ran in one run, each side's median of {repeats} timed iterations, slimrl with its "
-        f"defaults on CUDA (fast LoRA; from 4,096 tokens the attention kept from the forward, the default). "
-        f"{w1_kept_attention_note(b)} The longer rows are from before fast LoRA. {w1_spread_note(short, lengths)} "
+        f"defaults on CUDA (fast LoRA; from 4,096 tokens the attention kept from the forward; below that the layer "
+        f"passes replayed as CUDA graphs). {w1_layer_graphs_note(b)} {w1_kept_attention_note(b)} The longer rows are "
+        f"from before fast LoRA. {w1_spread_note(short, lengths)} "
         f"{w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]
     return "\n".join(lines) + f"\n\n{provenance(*dict.fromkeys(sources))}\n\n{note}"
+
+
+def w1_layer_graphs_note(b: dict[str, Source]) -> str:
+    """The layer passes replayed as CUDA graphs against run eagerly, alternating in one call."""
+    src = b["layer_graphs"]
+
+    def runs(graphs: int) -> str:
+        names = [f"results.slimrl[auto/8192/1/1/4096/{graphs}]{tag}_L1024." for tag in ("", "#2")]
+        return " / ".join(f"{src.get(name + 's'):.3f}" for name in names) + \
+            f" s (peak {gib(src.get(names[0] + 'peak_GiB'))})"  # fmt: skip
+
+    return (f"Replaying the layer passes as CUDA graphs (`layer_cuda_graphs`) against running them eagerly at 1,024 "
+            f"tokens, median of 5 iterations (the first captures), two runs of each alternating in one call "
+            f"({src.label}, `{src.file}`): {runs(1)} against {runs(0)}.")
 
 
 def w1_kept_attention_note(b: dict[str, Source]) -> str:
@@ -239,12 +254,15 @@ def w1_kept_attention_note(b: dict[str, Source]) -> str:
 def w1_spread_note(src: Source, lengths: list[int]) -> str:
     """How much each side's step moved between the timed iterations of the table's run."""
 
-    def spread(side: str) -> float:
-        return max(max(e) / min(e) - 1 for e in (src.get(f"results.{side}_L{n}.s_each") for n in lengths))
+    def spread(side: str, first: int = 0) -> float:
+        every = (src.get(f"results.{side}_L{n}.s_each")[first:] for n in lengths)
+        return max(max(e) / min(e) - 1 for e in every)
 
-    return (f"Between those iterations slimrl's step moved by up to {spread('slimrl'):.0%} (TRL's by "
-            f"{spread('trl'):.0%}, Unsloth's by {spread('unsloth'):.0%}); between runs on different loans of the "
-            "same kind of machine it moves by more, with the host's speed.")
+    capture = src.get(f"results.slimrl_L{lengths[0]}.s_each")[0]
+    return (f"Between those iterations slimrl's step moved by up to {spread('slimrl', 1):.0%} after the first, which "
+            f"captures the layer graphs ({capture:.3f} s at {lengths[0]:,} tokens; TRL's by {spread('trl'):.0%}, "
+            f"Unsloth's by {spread('unsloth'):.0%}); between runs on different loans of the same kind of machine it "
+            "moves by more, with the host's speed.")
 
 
 def w1_host_note(b: dict[str, Source]) -> str:
@@ -255,9 +273,10 @@ def w1_host_note(b: dict[str, Source]) -> str:
     def run(src: Source) -> str:
         return f"{src.get(field + 's'):.3f} s (spread {span(src.get(field + 's_each'), lambda x: f'{x:.3f}')})"
 
-    return (f"At 1,024 tokens the step is host-bound: its kernels take {profile.get(field + 'kernel_ms'):.1f} ms of "
-            f"GPU time ({profile.label}, `{profile.file}`), and the same code's median was {run(alone)} in one "
-            f"run and {run(next_call)} in another, on a machine of the same kind (`{alone.file}`, `{next_call.file}`).")
+    return (f"Run eagerly, the step at 1,024 tokens is host-bound: its kernels take "
+            f"{profile.get(field + 'kernel_ms'):.1f} ms of GPU time ({profile.label}, `{profile.file}`), and the same "
+            f"code's median was {run(alone)} in one run and {run(next_call)} in another, on a machine of the same "
+            f"kind (`{alone.file}`, `{next_call.file}`).")
 
 
 def w3_training_note(b: dict[str, Source]) -> str:

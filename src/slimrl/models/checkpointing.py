@@ -10,6 +10,9 @@ Llama-family layers are recomputed in two parts, the attention, then the MLP til
 first, gradient-free forward runs the MLP in the same tiles. Other layers (and layers with active dropout, whose masks
 depend on the tiling) are recomputed whole.
 
+On CUDA, a split layer's two passes (the gradient-free forward, the recompute and backward) are replayed as CUDA graphs
+once their shapes come back (models/layer_graphs.py; `cuda_graphs`), which takes the host's launches out of short steps.
+
 The layer's trainable weights are inputs of the checkpoint's autograd node, and its backward *returns* their
 gradients (summed over the MLP tiles) instead of accumulating them from a backward of its own. Autograd then adds each
 weight's gradient into `.grad` once per backward pass, from the outer graph, which is what DDP's reducer relies on:
