@@ -5,9 +5,10 @@ over gloo (which reduces CUDA tensors through the host). Everything else is as o
 model in DistributedDataParallel (find_unused_parameters=True, its choice for a PEFT model), each rank generates its
 share of the prompts' groups with its own rollout engine (CUDA graphs, Triton kernels), and the step runs the
 offloaded checkpoints (every checkpoint copied to pinned host memory on the side stream: min_offload_bytes 0), the MLP
-recomputed in tiles, the fused element-wise ops (on every layer call: FUSED_MIN_TOKENS 1) and two chunks per
-micro-batch in bf16. Rank 0 writes what ran, the losses, and whether the ranks' trainable weights are identical after
-training (all-gathered); a failure in training is written with its traceback.
+recomputed in tiles, the layer passes replayed as CUDA graphs where their shapes repeat, the fused element-wise ops
+(on every layer call: FUSED_MIN_TOKENS 1) and two chunks per micro-batch in bf16. Rank 0 writes what ran, the losses,
+and whether the ranks' trainable weights are identical after training (all-gathered); a failure in training is
+written with its traceback.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 -m tests.distributed.one_gpu_ddp OUT.json
 """
@@ -85,6 +86,7 @@ def main(out: str) -> None:
             split_recomputes=state.split_recomputes,
             mlp_tile_tokens=state.mlp_tile_tokens,
             calls=calls,
+            graphs={name: getattr(state.graphs, name, None) for name in ("captures", "replays", "failures")},
         )
         weights = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters() if p.requires_grad])
         gathered = [torch.empty_like(weights) for _ in range(dist.get_world_size())]

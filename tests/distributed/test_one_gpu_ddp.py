@@ -50,4 +50,7 @@ def test_grpo_under_ddp_with_two_processes_on_one_gpu(tmp_path):
     assert_trained_on_the_cuda_path(logs)
     assert logs["mlp_tile_tokens"] == 16  # the MLP tiles stay on under DDP
     assert logs["ranks_identical"] and logs["weights_numel"] > 0  # gradients all-reduced: the same update on both
+    # the layer passes whose shapes repeated (the two chunks of a micro-batch) were captured and replayed, the
+    # weights' gradients still reaching DDP's reducer once per pass
+    assert logs["graphs"]["failures"] == 0 and logs["graphs"]["captures"] > 0 and logs["graphs"]["replays"] > 0
 
