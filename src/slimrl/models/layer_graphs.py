@@ -1,35 +1,25 @@
 """CUDA graphs of the offloaded checkpoints' layer passes: a decoder layer's gradient-free forward and its
 recompute-and-backward, each replayed as one graph launch once the same shapes come back.
 
-A short sequence's training step is host-bound: at W1's 1,024 tokens (Qwen2.5-1.5B shape, LoRA r=64) the GPU's
-kernels take about 240 ms of a 400 ms step, and the rest is the host issuing about 8,000 launches (Python, autograd,
-the CUDA calls between them). The layer passes are nearly all of them, and a layer's work is the same from one call to
-the next when the shapes are: a graph captured once replays it with one launch.
+A short sequence's step is host-bound (W1 at 1,024 tokens: 240 ms of kernels in a 400 ms step, about 8,000 launches,
+nearly all in the layer passes); a pass's work is the same whenever its shapes are, so one graph launch replays it.
 
-How a pass runs (`LayerGraphs.forward` / `.backward`, called by models/checkpointing.py for the split, Llama-family
-layers on CUDA):
-- A pass is keyed by its shapes and everything the captured work depends on that a replay would not see change:
-  the layer, its inputs' shapes, dtypes and strides, its keyword arguments (tensors by shape, the rest by value),
-  every parameter's address and requires_grad, peft's state of each LoRA module (enabled, merged, active adapter,
-  scale, dropout), the layer's mode, autocast, the SDPA backend switches and the deterministic flag (`_layer_state`).
-  A key seen once runs eagerly (a shape that never comes back costs no capture); the second time it is captured
-  (after a warm-up run on the capture stream, so lazy initialisations happen outside the capture) and replayed.
-- The captured work reads its inputs from static buffers (one set per shape, shared by the layers and by the two
-  passes: copied in before a replay; the rotary tables once per forward pass) and writes its result into a static
-  buffer outside the graphs' memory pool, copied out after the replay: a result never aliases memory a later replay
-  writes. The call that captures a pass computes its result eagerly; the capture itself runs nothing.
-  All graphs of a model share one private pool, used only as scratch inside a replay (every tensor a capture made is
-  freed before it ends), so the pool holds about one layer pass's transient memory, as the eager pass's own.
-- The backward's weight gradients come back through the checkpoint node as before (DDP's one gradient per weight per
-  pass holds): the captured pass writes them into one flat buffer per dtype, cloned after the replay.
-- A pass whose capture fails (an operation a graph cannot hold, such as a host synchronisation) is logged once and
-  runs eagerly from then on. At most `max_shapes` input shapes keep graphs; a new one evicts the least recently used.
-  Once every layer has run a forward and a backward pass without a replay (the shapes moved on), all graphs and
-  their buffers are let go (`LayerGraphs.release`): graphs no pass uses hold no memory.
+How a pass runs (`LayerGraphs.forward` / `.backward`, for the split, Llama-family layers on CUDA):
+- Its key (models/graph_keys.py) holds what a replay would not see change. A key seen once runs eagerly (a shape that
+  never comes back costs no capture); the second time the pass runs eagerly and is then captured (the capture runs
+  nothing; one warm-up per capturing thread makes the stream's lazy state first); from then on it is replayed.
+- Inputs are copied into static buffers (one set per shape, shared by the layers and the two passes; the rotary
+  tables once per forward pass); the result goes into a static buffer outside the graphs' private pool and is cloned
+  after the replay, so it never aliases memory a later replay writes. The pool, shared by the model's graphs, is only
+  their scratch: it holds about one pass's transient memory, as the eager pass's own.
+- The weights' gradients come back through the checkpoint node as before (one per weight per pass, for DDP): the
+  captured pass runs on aliases of the weights made on its stream and writes their gradients into one flat buffer
+  per dtype, cloned after the replay.
+- A failed capture is logged once and its key stays eager. At most `max_shapes` shapes keep graphs (LRU); once every
+  layer has run both passes without a replay, all graphs and buffers go.
 
-Not used where a replay could miss a change: sharded weights (FSDP, DeepSpeed: `weights_in_graph=False`), a layer
-whose attention is kept from the forward (models/attention_store.py parks it in host memory), a layer with active
-dropout (not split), keyword arguments other than tensors and plain values (a KV cache), a CPU.
+Not used for sharded weights (FSDP, DeepSpeed), layers keeping their attention (its records live in host memory),
+active dropout (not split), keyword arguments other than tensors and plain values (a KV cache), or a CPU.
 """
 
 from __future__ import annotations
@@ -270,9 +260,8 @@ class LayerGraphs:
         return "capture" if found + 1 >= CAPTURE_AFTER else None
 
     def ran_eagerly(self) -> None:
-        """Count a pass that replayed nothing. Once every layer has run a forward and a backward pass since the last
-        replay, the graphs are out of use (the shapes moved on: longer sequences, a layer keeping its attention) and
-        everything they hold goes: their static buffers at once, their pool's memory to the allocator's next release."""
+        """Count a pass that replayed nothing; once every layer has run both passes so, the graphs are out of use
+        (the shapes moved on) and `release` lets them and their buffers go."""
         self.idle += 1
         if self.shapes and self.idle > 2 * len(self.layers):
             self.release()
@@ -350,9 +339,8 @@ class LayerGraphs:
 
 
 def _captured(graph: torch.cuda.CUDAGraph, pool, body: Callable) -> None:
-    """Capture `body()` into `graph` on the current stream. A capture that fails raises the error that broke it (not
-    CUDA's "a previous error during capture"), and leaves the allocator no longer allocating into the pool, which a
-    failed end of capture would leave it doing (every later capture would then fail, and freed memory would wait)."""
+    """Capture `body()` into `graph` on the current stream. A failed capture raises the error that broke it and ends
+    the allocation into the pool (left on, every later capture fails and freed memory waits)."""
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         body()
