@@ -74,10 +74,11 @@ def split_backward(state: RecomputeState, layer, kwargs: dict, hidden_states: to
 
 
 def _graphs_for(state, hidden_states: torch.Tensor, kept_attention) -> LayerGraphs | None:
-    """The model's layer graphs (made on first use) when this pass may use them: CUDA, the state's `cuda_graphs`
-    on, the weights passed through the checkpoint node (`weights_in_graph`), the attention not kept from the forward
-    (its records live outside any graph)."""
-    if not (state.cuda_graphs and state.weights_in_graph and hidden_states.is_cuda and kept_attention is None):
+    """The model's layer graphs (made on first use) when this pass may use them: CUDA on the current device (not a
+    layer of a model split over devices), the state's `cuda_graphs` on, the weights passed through the checkpoint
+    node (`weights_in_graph`), the attention not kept from the forward (its records live outside any graph)."""
+    usable = hidden_states.is_cuda and hidden_states.device.index == torch.cuda.current_device()
+    if not (usable and state.cuda_graphs and state.weights_in_graph and kept_attention is None):
         if state.graphs is not None:
             state.graphs.ran_eagerly()
         return None
@@ -135,8 +136,7 @@ def _empty_like(value):
 
 
 class _Graph:
-    """One captured pass: the graph, its static buffers, and for a backward whether it computes the input's gradient
-    and where each weight's gradient sits in the flat buffers (`_flat_layout`; a weight without one is absent)."""
+    """One captured pass: its graph, buffers, result buffer and (a backward) its weight gradients' `_flat_layout`."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, statics: _Statics, input_grad: torch.Tensor | None = None,
                  layout: tuple = (), out: torch.Tensor | None = None):  # fmt: skip
