@@ -116,6 +116,7 @@ def run_numbers(metrics: dict) -> dict:
         "training_s": spread([h["training_s"] for h in history if "training_s" in h]),
         "step_time_s": spread([h["step_time"] for h in history if "step_time" in h]),
         "rollout_engine_used": metrics.get("rollout_engine_used"),
+        "layer_graphs": metrics.get("layer_graphs"),  # captured / replayed layer passes (None: none made)
         "train_seconds": metrics.get("train_seconds"),
         "nonfinite": nonfinite,
         "nonfinite_event": nonfinite["raised"] or any(nonfinite[k] for k in nonfinite if k.endswith("_steps")),

@@ -37,6 +37,7 @@ def test_demo_on_a_tiny_model_writes_adapter_metrics_and_plot(tmp_path, capsys):
     assert metrics["status"] == "finished" and metrics["raised_nonfinite_error"] is False
     assert metrics["nonfinite_error"] is None and metrics["nonfinite_skipped_steps"] == []
     assert metrics["rollout_engine_used"] is False  # CPU: "auto" generates with transformers
+    assert metrics["layer_graphs"] is None  # no offloaded checkpoints on a CPU run without them: no layer graphs
     assert str(out / "metrics.json") in printed and str(out / "reward.png") in printed
 
 

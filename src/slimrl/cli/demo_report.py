@@ -156,11 +156,18 @@ def accuracy_line(label: str, scores: dict) -> str:
 
 
 def record_run(trainer, timer, summary: dict) -> None:
-    """What the metrics say of how training ran: the engine, the process count, the ranks' adapters."""
+    """What the metrics say of how training ran: the engine, the process count, the ranks' adapters, and with
+    offloaded checkpoints how many layer passes were captured and replayed as CUDA graphs (None: no graphs made)."""
+    from slimrl.models.checkpointing import offload_state
+
     summary["rollout_engine_used"] = any("engine_stats" in step for step in timer.steps)
     summary["processes"] = trainer.accelerator.num_processes
     if summary["processes"] > 1:
         summary["ranks_hold_the_same_adapter"] = ranks_hold_the_same_weights(trainer)
+    state = offload_state(trainer.accelerator.unwrap_model(trainer.model))
+    graphs = None if state is None else state.graphs
+    summary["layer_graphs"] = None if graphs is None else {
+        name: getattr(graphs, name) for name in ("captures", "replays", "failures", "releases")}  # fmt: skip
 
 
 def quiet(*args, **kwargs) -> None:
