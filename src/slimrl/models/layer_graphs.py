@@ -101,7 +101,7 @@ class _Statics:
     def buffer(self, name: str, like: torch.Tensor, requires_grad: bool = False, shape: tuple | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
         """The static tensor `name` with `like`'s shape and dtype (or those given) on its device. Made the first time
-        (by a warm-up run, never in a capture); a graph holds its address, so it is never replaced."""
+        (before a capture, never in one); a graph holds its address, so it is never replaced."""
         shape, dtype = tuple(like.shape) if shape is None else shape, like.dtype if dtype is None else dtype
         key = (name, shape, dtype)
         found = self.buffers.get(key)
