@@ -117,7 +117,7 @@ class ChunkedTrainerMixin:
         for model in models:
             enable_offloaded_checkpointing(model, settings.mlp_tile_tokens, weights_in_graph=settings.weights_in_graph,
                                            attention_tokens=args.keep_attention_tokens,
-                                           cuda_graphs=getattr(args, "layer_cuda_graphs", True))  # fmt: skip
+                                           cuda_graphs=args.layer_cuda_graphs)  # fmt: skip
 
     @property
     def last_auto_chunks(self) -> int | None:
