@@ -83,6 +83,21 @@ def test_global_state_sees_switches_a_layer_reads():
     assert disable_fast_lora(model) > 0 and global_state(cpu) != switched
 
 
+def test_a_key_is_captured_the_second_time_and_counts_stay_bounded():
+    graphs = layer_graphs.LayerGraphs()
+    key = ("forward", "shape", 1, "state", "switches", ())
+    assert graphs._entry(key) is None and graphs._entry(key) == "capture"  # eager once, then captured
+    graphs.entries[("forward", "shape", 2, "state", "switches", ())] = "eager"  # a capture that failed stays eager
+    assert graphs._entry(("forward", "shape", 2, "state", "switches", ())) is None
+    # keys seen once pile up as the shapes change; past KEPT_COUNTS per layer they start again, the rest kept
+    for number in range(layer_graphs.KEPT_COUNTS * 2 + 2):
+        graphs._entry(("forward", ("shape", number), 1, "state", "switches", ()))
+    assert len(graphs.entries) <= layer_graphs.KEPT_COUNTS * len(graphs.layers) + 2
+    assert graphs.entries[("forward", "shape", 2, "state", "switches", ())] == "eager"
+    assert graphs.idle == layer_graphs.KEPT_COUNTS * 2 + 5  # every pass so far ran eagerly
+    assert graphs._entry(None) is None and graphs.idle == layer_graphs.KEPT_COUNTS * 2 + 6  # no key: eager
+
+
 def test_on_a_cpu_the_setting_changes_nothing():
     model = lora_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
