@@ -1,6 +1,7 @@
 """CUDA graphs of the offloaded checkpoints' layer passes (models/layer_graphs.py): what a replay depends on is in its
 key (CPU), and on CUDA the graphed training equals the eager one step for step, through weight updates, a reference
-pass with the adapter off, a changed LoRA scale, padding and a new shape."""
+pass with the adapter off, a changed LoRA scale, padding and a new shape, with the attention recomputed and kept from
+the forward (its saved storages through the graphs' buffers)."""
 
 from __future__ import annotations
 
@@ -114,8 +115,9 @@ def test_on_a_cpu_the_setting_changes_nothing():
 # -- CUDA ---------------------------------------------------------------------------------------------------------
 
 
-def cuda_pair(arch: str, dtype: torch.dtype):
-    """The same LoRA model twice on CUDA, fast LoRA and offloaded checkpoints on, graphs on in the second."""
+def cuda_pair(arch: str, dtype: torch.dtype, attention_tokens: int = 0):
+    """The same LoRA model twice on CUDA, fast LoRA and offloaded checkpoints on (the attention kept from sequences
+    of `attention_tokens`, 0: never), graphs on in the second."""
     from slimrl.models.fast_lora import enable_fast_lora
 
     base = lora_model(arch).to("cuda", dtype)
@@ -123,7 +125,8 @@ def cuda_pair(arch: str, dtype: torch.dtype):
     for graphs, model in zip((False, True), models, strict=True):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_fast_lora(model)
-        enable_offloaded_checkpointing(model, mlp_tile_tokens=7, min_offload_bytes=0, cuda_graphs=graphs)
+        enable_offloaded_checkpointing(model, mlp_tile_tokens=7, min_offload_bytes=0, cuda_graphs=graphs,
+                                       attention_tokens=attention_tokens)  # fmt: skip
         model.train()
     return models
 
@@ -144,9 +147,10 @@ def assert_equal_steps(eager, graphed, label):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kept", [0, 1], ids=["recomputed", "kept"])
 @pytest.mark.parametrize(("arch", "dtype"), [("qwen2", torch.bfloat16), ("llama", torch.float32)])
-def test_graphed_training_equals_eager_step_for_step(arch, dtype):
-    eager, graphed = cuda_pair(arch, dtype)
+def test_graphed_training_equals_eager_step_for_step(arch, dtype, kept):
+    eager, graphed = cuda_pair(arch, dtype, attention_tokens=kept)
     state = offload_state(graphed)
     layers = len(decoder_layers(graphed))
     generator = torch.Generator().manual_seed(0)
@@ -173,6 +177,7 @@ def test_graphed_training_equals_eager_step_for_step(arch, dtype):
     assert state.graphs.captures == 2 * 2 * layers and state.graphs.failures == 0
     assert state.graphs.replays == 2 * 2 * layers
     assert state.split_recomputes == 6 * layers  # counted once per pass, as without graphs
+    assert state.kept_attention == offload_state(eager).kept_attention == 6 * layers * kept
 
     ids, mask = batch(2, 12)
     with torch.no_grad():  # a reference pass: the adapters off, its own key
@@ -199,5 +204,30 @@ def test_graphed_training_equals_eager_step_for_step(arch, dtype):
     for number in range(2):  # eager passes only (a shape seen once each time): the graphs and buffers go
         ids, mask = batch(2, 30 + number)
         assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"other shape {number}")
-    graphs = [v for v in state.graphs.entries.values() if isinstance(v, layer_graphs._Graph)]
+    graphs = [v for v in state.graphs.entries.values() if isinstance(v, layer_graphs.Graph)]
     assert not state.graphs.shapes and not graphs
+
+
+@pytest.mark.cuda
+def test_a_backward_meeting_a_replayed_forwards_record_recomputes_and_asks_for_a_recorded_forward():
+    eager, graphed = cuda_pair("qwen2", torch.bfloat16, attention_tokens=1)
+    state = offload_state(graphed)
+    layers = len(decoder_layers(graphed))
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones_like(ids)
+    for number in range(3):  # captured in the second step, replayed in the third
+        assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"step {number}")
+    assert state.graphs.replays == 2 * layers and state.graphs.failures == 0
+    for key in list(state.graphs.entries):  # the backward passes eager from now on: their forwards still replay
+        if key[0] == "backward":
+            state.graphs.entries[key] = "eager"
+    replays = state.graphs.replays
+    # every forward replayed, and its backward recomputed the attention (the record holds no stored graph) and asked
+    # for a recorded forward
+    assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], "eager backward")
+    assert state.graphs.replays == replays + layers and len(state.graphs.unrecorded) == layers
+    # the forwards ran eagerly, recording: their backward passes took the stored attention
+    kept = state.kept_attention
+    assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], "recorded forward")
+    assert state.graphs.replays == replays + layers and not state.graphs.unrecorded
+    assert state.kept_attention == kept + layers and state.graphs.failures == 0

@@ -23,6 +23,12 @@ back with its strides.
 `recording(state, records)` around a checkpoint's forward and `replaying(records)` around its recompute switch this
 on for one layer call; `attention(interface, ...)` is what slimrl's attention forward (models/fast_lora.py) calls
 instead of the attention function. Outside those blocks, or when no record is left, it calls the function itself.
+
+The stored graph's backward runs without autograd's engine (models/node_backprop.py), so it can be captured in a CUDA
+graph and run again. For the layer graphs (models/layer_graphs.py) a record's saved storages (`sources`) are what goes
+in and out of a graph: `capturing()` records without parking, `AttentionRecord.from_buffers` makes a replayed
+forward's record (no stored graph: its recompute runs the attention), `load` and `redirect` put a record's storages
+where a captured backward reads them.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 
 import torch
+
+from slimrl.models.node_backprop import backprop
 
 # Tensors under this size (or the checkpoints' min_offload_bytes, if smaller) stay where they are. Kept small: they add
 # up over the layers (grouped K and V heads at 32k tokens are 17 MB each per layer, 0.9 GiB over 28 layers).
@@ -56,10 +65,11 @@ class _Parked:
     """One storage copied to host memory (pinned, on the checkpoint's side stream on CUDA) and, once fetched, back."""
 
     def __init__(self, state, tensor: torch.Tensor):
-        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-        self.device, self.state = tensor.device, state
+        raw = _raw(tensor)
+        self.device, self.state, self.nbytes = tensor.device, state, raw.numel()
         self.on_device: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
+        self.redirect: torch.Tensor | None = None  # a static buffer read instead (`AttentionRecord.redirect`)
         if tensor.is_cuda:
             self.host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
             side = state.side_stream(tensor.device)
@@ -84,6 +94,8 @@ class _Parked:
             self.ready.record(side)
 
     def storage(self) -> torch.UntypedStorage:
+        if self.redirect is not None:
+            return self.redirect.untyped_storage()
         self.fetch()
         if self.ready is not None:
             current = torch.cuda.current_stream(self.device)
@@ -93,25 +105,50 @@ class _Parked:
         return self.on_device.untyped_storage()
 
 
+class _Resident:
+    """A saved storage left where it is: small ones, the mask, and every one while a graph is captured."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.device, self.nbytes = tensor, tensor.device, tensor.untyped_storage().nbytes()
+        self.redirect: torch.Tensor | None = None
+
+    def fetch(self) -> None:
+        pass
+
+    def storage(self) -> torch.UntypedStorage:
+        return (self.tensor if self.redirect is None else self.redirect).untyped_storage()
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `tensor`, as bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
 class _View:
     """Where a saved tensor lies in its storage (dtype, offset, size, stride), to be rebuilt over a storage later."""
 
     def __init__(self, tensor: torch.Tensor):
         self.dtype, self.view = tensor.dtype, (tensor.storage_offset(), tensor.shape, tensor.stride())
 
+    def spec(self) -> tuple:
+        return self.dtype, self.view
+
     def over(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=device).set_(storage, *self.view)
 
 
 class _Handle(_View):
-    """A parked tensor: its storage's `_Parked` and the view of it."""
+    """A saved tensor: its storage's source (`_Parked` or `_Resident`) and the view of it."""
 
-    def __init__(self, parked: _Parked, tensor: torch.Tensor):
-        super().__init__(tensor)
-        self.parked = parked
+    def __init__(self, source: _Parked | _Resident, tensor: torch.Tensor | None, spec: tuple | None = None):
+        if tensor is not None:
+            super().__init__(tensor)
+        else:
+            self.dtype, self.view = spec
+        self.source = source
 
     def tensor(self) -> torch.Tensor:
-        return self.over(self.parked.storage(), self.parked.device)
+        return self.over(self.source.storage(), self.source.device)
 
 
 class _Input(_View):
@@ -138,10 +175,12 @@ def _layout(tensors: tuple[torch.Tensor, ...]) -> tuple:
 
 class AttentionRecord:
     """One attention call's graph, built by the checkpoint's forward, with its saved tensors parked (but those of q,
-    k and v: the recompute's are read instead)."""
+    k and v: the recompute's are read instead). `capturing`: nothing is parked (a layer graph's capture); a record
+    made by `from_buffers` holds the saved storages and no graph."""
 
-    def __init__(self, state, keep: list[torch.Tensor], inputs: tuple[torch.Tensor, ...] = ()):
-        self.state = state
+    def __init__(self, state, keep: list[torch.Tensor], inputs: tuple[torch.Tensor, ...] = (),
+                 capturing: bool = False):  # fmt: skip
+        self.state, self.capturing = state, capturing
         self.kept_storages = {t.untyped_storage().data_ptr() for t in keep if torch.is_tensor(t)}
         # q, k and v: the index of the first one on each storage, and how each lies in its storage
         self.input_storages: dict[int, int] = {}
@@ -149,28 +188,35 @@ class AttentionRecord:
             self.input_storages.setdefault(tensor.untyped_storage().data_ptr(), index)
         self.input_layout = _layout(inputs)
         self.live: tuple[torch.Tensor, ...] = ()  # the recompute's q, k and v, set by the replay
-        self.parked: dict[int, _Parked] = {}
+        self.sources: list = []  # the saved storages (_Parked or _Resident), in the order they were first saved
+        self.by_storage: dict[int, int] = {}  # a saved storage's address when saved -> its index in `sources`
         self.inputs: list = []
         self.output_edge = None
-        self.output: _Handle | torch.Tensor | None = None
-        self.recording: list[torch.Tensor] = []  # the parked tensors, referenced until the call is recorded
+        self.output: _Handle | None = None
+        self.keep = False  # True: the backward leaves the record whole (a layer graph captures with it next)
+        self.recording: list[torch.Tensor] = []  # the saved tensors, referenced until the call is recorded
 
     def pack(self, tensor: torch.Tensor):
         """Saved-tensor hook: park the tensor, or keep it as it is (parameters, the mask, small tensors)."""
         storage = tensor.untyped_storage()
         if storage.data_ptr() in self.input_storages:
             return _Input(self, self.input_storages[storage.data_ptr()], tensor)
-        if (isinstance(tensor, torch.nn.Parameter) or storage.data_ptr() in self.kept_storages
-                or tensor.nbytes < min(self.state.min_offload_bytes, IN_PLACE_BYTES)):
-            return tensor  # fmt: skip
-        if storage.nbytes() > 2 * tensor.nbytes:  # a view of a much larger buffer: park only what it shows
+        if isinstance(tensor, torch.nn.Parameter):
+            return tensor
+        parkable = not (storage.data_ptr() in self.kept_storages
+                        or tensor.nbytes < min(self.state.min_offload_bytes, IN_PLACE_BYTES))  # fmt: skip
+        if parkable and storage.nbytes() > 2 * tensor.nbytes:  # a view of a much larger buffer: park what it shows
             tensor = tensor.clone()
             storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.parked:
-            self.parked[key] = _Parked(self.state, tensor)
+        if key not in self.by_storage:
+            resident = self.capturing or not parkable
+            source = _Resident(tensor) if resident else _Parked(self.state, tensor)
+            source.parkable, source.key = parkable, key
+            self.by_storage[key] = len(self.sources)
+            self.sources.append(source)
             self.recording.append(tensor)  # no other tensor can take this address while the call is recorded
-        return _Handle(self.parked[key], tensor)
+        return _Handle(self.sources[self.by_storage[key]], tensor)
 
     @staticmethod
     def unpack(packed):
@@ -190,12 +236,68 @@ class AttentionRecord:
         """Start bringing the parked storages back: the output's alone (the recompute's replay needs it first), or
         all of them."""
         if isinstance(self.output, _Handle):
-            self.output.parked.fetch()
-        for parked in () if output_only else self.parked.values():
-            parked.fetch()
+            self.output.source.fetch()
+        for source in () if output_only else self.sources:
+            source.fetch()
 
     def release(self) -> None:
-        self.parked, self.inputs, self.output_edge, self.output, self.live = {}, [], None, None, ()
+        self.sources, self.by_storage, self.inputs, self.live = [], {}, [], ()
+        self.output_edge = self.output = None
+
+    # -- for the layer graphs (models/layer_graphs.py) ------------------------------------------------------------
+    def layout(self, kwargs: dict) -> tuple | None:
+        """How the saved storages lie, as a graph sees them: per source ("kwarg", name, index) for one of the layer
+        call's keyword tensors (the mask; it has static buffers of its own), else ("data", bytes, parkable); then
+        where the output lies. None: a record a graph cannot take (no output handle)."""
+        if not isinstance(self.output, _Handle):
+            return None
+        named = {}
+        for name, value in kwargs.items():
+            for index, tensor in enumerate(value if isinstance(value, tuple | list) else (value,)):
+                if torch.is_tensor(tensor) and tensor.is_contiguous() and tensor.storage_offset() == 0 \
+                        and tensor.untyped_storage().nbytes() == tensor.nbytes:  # fmt: skip
+                    named.setdefault(tensor.untyped_storage().data_ptr(), ("kwarg", name, index))
+        entries = tuple(named.get(s.key) or ("data", s.nbytes, s.parkable) for s in self.sources)
+        found = [i for i, s in enumerate(self.sources) if s is self.output.source]
+        return (entries, found[0], self.output.spec()) if found else None
+
+    def load(self, buffers: dict, layout: tuple) -> None:
+        """Copy the saved storages that are data into `buffers` (index -> a byte tensor of their size)."""
+        for index, entry in enumerate(layout[0]):
+            if entry[0] == "data":
+                buffers[index].copy_(_over_bytes(self.sources[index]))
+
+    def redirect(self, buffers: dict, kwargs: dict, layout: tuple) -> None:
+        """Read every saved storage from the static buffers from now on (a capture's reads must be of those)."""
+        for index, entry in enumerate(layout[0]):
+            if entry[0] == "kwarg":
+                value = kwargs[entry[1]]
+                self.sources[index].redirect = value[entry[2]] if isinstance(value, tuple | list) else value
+            else:
+                self.sources[index].redirect = buffers[index]
+
+    @classmethod
+    def from_buffers(cls, state, buffers: dict, layout: tuple, kwargs: dict) -> AttentionRecord:
+        """The record of a forward replayed from a graph: its saved storages copied out of `buffers` (then parked
+        as a forward would park them) or, for keyword tensors, the call's own; no stored graph (its recompute runs
+        the attention)."""
+        record = cls(state, [])
+        for index, entry in enumerate(layout[0]):
+            if entry[0] == "kwarg":
+                value = kwargs[entry[1]]
+                source = _Resident(value[entry[2]] if isinstance(value, tuple | list) else value)
+            else:
+                copy = buffers[index].clone()
+                source = _Parked(state, copy) if entry[2] else _Resident(copy)
+            source.parkable, source.key = entry[0] != "kwarg" and entry[2], None
+            record.sources.append(source)
+        record.output = _Handle(record.sources[layout[1]], None, layout[2])
+        return record
+
+
+def _over_bytes(source) -> torch.Tensor:
+    storage = source.storage()
+    return torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage)
 
 
 class _Replayed(torch.autograd.Function):
@@ -212,19 +314,20 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         record, ctx.record = ctx.record, None
-        grads = torch.autograd.grad([record.output_edge], record.inputs, [grad], allow_unused=True)
-        record.release()
+        grads = backprop(record.output_edge, grad, record.inputs)
+        if not record.keep:
+            record.release()
         return None, *grads
 
 
 class Tape:
     """The records of one checkpoint call: appended by its forward, taken in the same order by its recompute."""
 
-    def __init__(self, state, records: deque, replay: bool):
-        self.state, self.records, self.replay = state, records, replay
+    def __init__(self, state, records: deque, replay: bool, capturing: bool = False):
+        self.state, self.records, self.replay, self.capturing = state, records, replay, capturing
 
     def record(self, interface, module, query, key, value, mask, kwargs):
-        record = AttentionRecord(self.state, [mask], (query, key, value))
+        record = AttentionRecord(self.state, [mask], (query, key, value), capturing=self.capturing)
         anchor = torch.empty(0, device=query.device, requires_grad=True)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record.pack, record.unpack):
             inputs = [_Entry.apply(t.detach(), anchor) for t in (query, key, value)]
@@ -245,9 +348,17 @@ def attention(interface, module, query, key, value, mask, **kwargs):
         return interface(module, query, key, value, mask, **kwargs)
     if not tape.replay:
         return tape.record(interface, module, query, key, value, mask, kwargs)
-    if not tape.records:  # the forward stored nothing (another attention forward ran then): compute it
+    # no record (another attention forward ran in the forward), or one without a stored graph (a replayed
+    # forward's, whose backward was not replayed): compute it
+    record = tape.records.popleft() if tape.records else None
+    if record is None or record.output_edge is None:
         return interface(module, query, key, value, mask, **kwargs)
-    return _Replayed.apply(tape.records.popleft(), query, key, value), None
+    return _Replayed.apply(record, query, key, value), None
+
+
+def active_tape() -> Tape | None:
+    """The tape of the checkpoint call running on this thread, if it keeps its attention."""
+    return getattr(_ACTIVE, "tape", None)
 
 
 @contextlib.contextmanager
@@ -258,6 +369,15 @@ def recording(state, records: deque):
 
 
 @contextlib.contextmanager
+def capturing(state) -> Iterator[deque]:
+    """Record the attention calls inside the block (a layer graph's capture) without parking anything; yields the
+    records."""
+    records: deque = deque()
+    with _active(Tape(state, records, replay=False, capturing=True)):
+        yield records
+
+
+@contextlib.contextmanager
 def replaying(records: deque):
     """Replay `records` for the attention calls inside the block (the same checkpoint's recompute)."""
     with _active(Tape(None, records, replay=True)):
@@ -265,7 +385,7 @@ def replaying(records: deque):
 
 
 @contextlib.contextmanager
-def _active(tape: Tape):
+def _active(tape: Tape | None):
     previous = getattr(_ACTIVE, "tape", None)
     _ACTIVE.tape = tape
     try:
