@@ -57,7 +57,8 @@ def counting_attention_calls(monkeypatch) -> list:
 
 
 def parked_storages() -> int:
-    return sum(isinstance(o, attention_store._Parked) for o in gc.get_objects())
+    """Saved storages still held (parked ones, and those left in place)."""
+    return sum(isinstance(o, attention_store._Parked | attention_store._Resident) for o in gc.get_objects())
 
 
 @pytest.mark.parametrize("ids", [PADDED, FULL], ids=["padded", "unpadded"])
@@ -129,6 +130,33 @@ def test_small_tensors_stay_in_place_and_a_recompute_without_a_record_computes_a
         out, _ = attention_store.attention(lambda m, q, k, v, mask, **kw: (q * 2, None), None, query, query, query,
                                            None)  # fmt: skip
     assert torch.equal(out, query * 2)
+
+
+def test_records_let_go_without_a_backward_free_what_they_saved():
+    """A layer graph's capture releases its record without a backward (no engine frees its graph's saved tensors):
+    what it kept in place, the attention's own output and log-sum-exp among them, must not stay alive through the
+    record's graph (a saved output holds its node, which holds what the hooks packed)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attn = lora_model().base_model.model.model.layers[0].self_attn
+    query, key = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8)
+
+    class State:
+        min_offload_bytes = 1 << 30  # everything stays in place
+
+    kept = attention_store.deque()
+    with attention_store.capturing(State()) as captured:
+        attention_store.attention(sdpa_attention_forward, attn, query, key, key, None, dropout=0.0, scaling=0.3,
+                                  is_causal=True)  # fmt: skip
+    with attention_store.recording(State(), kept):
+        attention_store.attention(sdpa_attention_forward, attn, query, key, key, None, dropout=0.0, scaling=0.3,
+                                  is_causal=True)  # fmt: skip
+    assert len(captured) == len(kept) == 1 and parked_storages() >= 4
+    for record in (*captured, *kept):
+        record.release()
+    del captured, kept
+    gc.collect()
+    assert parked_storages() == 0
 
 
 def test_bad_threshold_is_refused():

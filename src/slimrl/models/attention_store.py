@@ -25,10 +25,8 @@ on for one layer call; `attention(interface, ...)` is what slimrl's attention fo
 instead of the attention function. Outside those blocks, or when no record is left, it calls the function itself.
 
 The stored graph's backward runs without autograd's engine (models/node_backprop.py), so it can be captured in a CUDA
-graph and run again. For the layer graphs (models/layer_graphs.py) a record's saved storages (`sources`) are what goes
-in and out of a graph: `capturing()` records without parking, `AttentionRecord.from_buffers` makes a replayed
-forward's record (no stored graph: its recompute runs the attention), `load` and `redirect` put a record's storages
-where a captured backward reads them.
+graph and run again. For the layer graphs a record's saved storages (`sources`) are what goes in and out of a graph
+(models/kept_buffers.py); `capturing()` records without parking, for a capture.
 """
 
 from __future__ import annotations
@@ -109,11 +107,14 @@ class _Resident:
     """A saved storage left where it is: small ones, the mask, and every one while a graph is captured."""
 
     def __init__(self, tensor: torch.Tensor):
+        # detached: a tensor the attention node saved of its own outputs holds that node (its grad_fn), which holds
+        # this: a cycle through C++ that no collector breaks (the output and log-sum-exp of each call, leaked)
+        tensor = tensor.detach()
         self.tensor, self.device, self.nbytes = tensor, tensor.device, tensor.untyped_storage().nbytes()
         self.redirect: torch.Tensor | None = None
 
-    def fetch(self) -> None:
-        pass
+    def fetch(self) -> None:  # nothing to bring back
+        return
 
     def storage(self) -> torch.UntypedStorage:
         return (self.tensor if self.redirect is None else self.redirect).untyped_storage()
@@ -212,7 +213,9 @@ class AttentionRecord:
         if key not in self.by_storage:
             resident = self.capturing or not parkable
             source = _Resident(tensor) if resident else _Parked(self.state, tensor)
-            source.parkable, source.key = parkable, key
+            # an integer scalar (a dropout seed or offset: on the host eagerly, on the GPU in a capture)
+            source.parkable, source.key, source.scalar = parkable, key, not tensor.is_floating_point() and \
+                tensor.numel() <= 2  # fmt: skip
             self.by_storage[key] = len(self.sources)
             self.sources.append(source)
             self.recording.append(tensor)  # no other tensor can take this address while the call is recorded
@@ -243,61 +246,6 @@ class AttentionRecord:
     def release(self) -> None:
         self.sources, self.by_storage, self.inputs, self.live = [], {}, [], ()
         self.output_edge = self.output = None
-
-    # -- for the layer graphs (models/layer_graphs.py) ------------------------------------------------------------
-    def layout(self, kwargs: dict) -> tuple | None:
-        """How the saved storages lie, as a graph sees them: per source ("kwarg", name, index) for one of the layer
-        call's keyword tensors (the mask; it has static buffers of its own), else ("data", bytes, parkable); then
-        where the output lies. None: a record a graph cannot take (no output handle)."""
-        if not isinstance(self.output, _Handle):
-            return None
-        named = {}
-        for name, value in kwargs.items():
-            for index, tensor in enumerate(value if isinstance(value, tuple | list) else (value,)):
-                if torch.is_tensor(tensor) and tensor.is_contiguous() and tensor.storage_offset() == 0 \
-                        and tensor.untyped_storage().nbytes() == tensor.nbytes:  # fmt: skip
-                    named.setdefault(tensor.untyped_storage().data_ptr(), ("kwarg", name, index))
-        entries = tuple(named.get(s.key) or ("data", s.nbytes, s.parkable) for s in self.sources)
-        found = [i for i, s in enumerate(self.sources) if s is self.output.source]
-        return (entries, found[0], self.output.spec()) if found else None
-
-    def load(self, buffers: dict, layout: tuple) -> None:
-        """Copy the saved storages that are data into `buffers` (index -> a byte tensor of their size)."""
-        for index, entry in enumerate(layout[0]):
-            if entry[0] == "data":
-                buffers[index].copy_(_over_bytes(self.sources[index]))
-
-    def redirect(self, buffers: dict, kwargs: dict, layout: tuple) -> None:
-        """Read every saved storage from the static buffers from now on (a capture's reads must be of those)."""
-        for index, entry in enumerate(layout[0]):
-            if entry[0] == "kwarg":
-                value = kwargs[entry[1]]
-                self.sources[index].redirect = value[entry[2]] if isinstance(value, tuple | list) else value
-            else:
-                self.sources[index].redirect = buffers[index]
-
-    @classmethod
-    def from_buffers(cls, state, buffers: dict, layout: tuple, kwargs: dict) -> AttentionRecord:
-        """The record of a forward replayed from a graph: its saved storages copied out of `buffers` (then parked
-        as a forward would park them) or, for keyword tensors, the call's own; no stored graph (its recompute runs
-        the attention)."""
-        record = cls(state, [])
-        for index, entry in enumerate(layout[0]):
-            if entry[0] == "kwarg":
-                value = kwargs[entry[1]]
-                source = _Resident(value[entry[2]] if isinstance(value, tuple | list) else value)
-            else:
-                copy = buffers[index].clone()
-                source = _Parked(state, copy) if entry[2] else _Resident(copy)
-            source.parkable, source.key = entry[0] != "kwarg" and entry[2], None
-            record.sources.append(source)
-        record.output = _Handle(record.sources[layout[1]], None, layout[2])
-        return record
-
-
-def _over_bytes(source) -> torch.Tensor:
-    storage = source.storage()
-    return torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage)
 
 
 class _Replayed(torch.autograd.Function):

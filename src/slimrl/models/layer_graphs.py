@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from slimrl.models import attention_store, recompute
+from slimrl.models import attention_store, kept_buffers, recompute
 from slimrl.models.graph_capture import Graph, Statics, aliased, captured, flat_layout, totals
 from slimrl.models.graph_keys import global_state, kwargs_signature, layer_state, tensor_signature
 from slimrl.models.recompute import RecomputeState, Weights
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 CAPTURE_AFTER = 2  # a key runs eagerly until it is seen this many times, then it is captured and replayed
 KEPT_COUNTS = 64  # keys counted but not captured, per layer, before the counts start again
+RUN_AHEAD = 2  # replays the host may launch before the GPU has run the earlier ones (see LayerGraphs._replay)
 
 
 def split_forward(state: RecomputeState, layer, kwargs: dict, hidden_states: torch.Tensor,
@@ -90,15 +91,17 @@ def _graphs_for(state, hidden_states: torch.Tensor) -> LayerGraphs | None:
             state.graphs.ran_eagerly()
         return None
     if state.graphs is None:
-        state.graphs = LayerGraphs()
+        state.graphs = LayerGraphs(side_stream=state.side_stream)
     return state.graphs
 
 
 class LayerGraphs:
     """One model's captured layer passes, their static buffers and the private memory pool they share."""
 
-    def __init__(self, max_shapes: int = 2):
+    def __init__(self, max_shapes: int = 2, side_stream: Callable | None = None):
         self.max_shapes = max_shapes
+        self.side_stream = side_stream  # the checkpoints' copy stream on a device (its lag is bounded too)
+        self.launched: deque = deque()  # per recent replay: its events on the compute stream and the copy stream
         self.entries: dict = {}  # key -> Graph, or the number of times the key was seen (int), or "eager"
         self.shapes: OrderedDict = OrderedDict()  # shape key -> Statics, least recently used first
         self.pool = None
@@ -130,18 +133,16 @@ class LayerGraphs:
         tape = attention_store.active_tape() if kept else None
         if isinstance(entry, Graph):
             self._load(statics, kwargs, {"x": hidden_states})
-            entry.graph.replay()
-            self.replays += 1
+            self._replay(entry, hidden_states.device)
             if entry.kept is not None:
                 buffers = self._kept_buffers(statics, entry.kept, hidden_states)
-                tape.records.append(attention_store.AttentionRecord.from_buffers(tape.state, buffers, entry.kept,
-                                                                                 kwargs))  # fmt: skip
+                tape.records.append(kept_buffers.from_buffers(tape.state, buffers, entry.kept, kwargs))
             return entry.out.clone()
         # this call's result eagerly, then the capture into static buffers shaped after it (nothing runs in a capture)
         stored = len(tape.records) if tape is not None else 0
         result = run(hidden_states, kwargs)
         record = tape.records[-1] if tape is not None and len(tape.records) > stored else None
-        layout = None if record is None else record.layout(kwargs)
+        layout = None if record is None else kept_buffers.layout(record, kwargs)
         if record is not None and layout is None:  # a record a graph cannot make
             self.entries[key] = "eager"
             return result
@@ -155,10 +156,11 @@ class LayerGraphs:
                 return
             with attention_store.capturing(tape.state) as records:
                 out.copy_(run(x, statics.kwargs))
-            if len(records) != (layout is not None) or (records and records[0].layout(statics.kwargs) != layout):
+            made_layouts = [kept_buffers.layout(made, statics.kwargs) for made in records]
+            if made_layouts != ([] if layout is None else [layout]):
                 raise RuntimeError("the captured pass stored its attention unlike the eager pass")
             for made in records:  # the graph leaves the record's saved storages in the static buffers
-                made.load(buffers, layout)
+                kept_buffers.load(made, buffers, layout)
                 made.release()
 
         graph = self._capture(key, hidden_states.device, body)
@@ -189,19 +191,24 @@ class LayerGraphs:
         statics = self._statics(key, kwargs)
         inputs = {"x": hidden_states, "grad_output": grad_output}
         if isinstance(entry, Graph):
-            if entry.kept is not None and (record is None or record.layout(kwargs) != entry.kept):
+            if entry.kept is not None and (record is None or kept_buffers.layout(record, kwargs) != entry.kept):
                 return run(hidden_states, grad_output, weights, kwargs)  # a record unlike the captured one's
             self._load(statics, kwargs, inputs, requires_grad=hidden_states.requires_grad)
             if entry.kept is not None:
                 tape.records.popleft()
-                record.load(self._kept_buffers(statics, entry.kept, hidden_states), entry.kept)
-            entry.graph.replay()
-            self.replays += 1
+                kept_buffers.load(record, self._kept_buffers(statics, entry.kept, hidden_states), entry.kept)
+            self._replay(entry, hidden_states.device)
             if entry.kept is not None:
                 record.release()
             return self._backward_results(entry, weights)
-        # this call's gradients eagerly (the attention record left whole), then the capture into static buffers shaped
-        # after them
+        return self._capture_backward(key, layer, kwargs, (hidden_states, grad_output), weights, run, statics, record)
+
+    def _capture_backward(self, key: tuple, layer, kwargs: dict, tensors: tuple, weights: Weights, run: Callable,
+                          statics: Statics, record) -> torch.Tensor | None:  # fmt: skip
+        """The backward pass eagerly (the attention record left whole), then its capture into static buffers shaped
+        after its gradients (reading the record's saved storages from the static buffers)."""
+        hidden_states, grad_output = tensors
+        params = tuple(weights.params)
         if record is not None:
             record.keep = True
         try:
@@ -209,7 +216,7 @@ class LayerGraphs:
         finally:
             if record is not None:
                 record.keep = False
-        layout = None if record is None else record.layout(kwargs)
+        layout = None if record is None else kept_buffers.layout(record, kwargs)
         if record is not None and layout is None:
             record.release()
             self.entries[key] = "eager"
@@ -218,12 +225,13 @@ class LayerGraphs:
         flats = {dtype: statics.buffer("grads", hidden_states, shape=(total,), dtype=dtype)
                  for dtype, total in totals(layout_grads).items()}  # fmt: skip
         grad_input = None if result is None else statics.buffer("result", result)
-        static = self._load(statics, kwargs, inputs, requires_grad=hidden_states.requires_grad)
+        static = self._load(statics, kwargs, {"x": hidden_states, "grad_output": grad_output},
+                            requires_grad=hidden_states.requires_grad)  # fmt: skip
         x, grad = static["x"], static["grad_output"]
         if record is not None:  # the capture reads the record's saved storages from the static buffers
             buffers = self._kept_buffers(statics, layout, hidden_states)
-            record.load(buffers, layout)
-            record.redirect(buffers, statics.kwargs, layout)
+            kept_buffers.load(record, buffers, layout)
+            kept_buffers.redirect(record, buffers, statics.kwargs, layout)
             record.keep = True
 
         def body():
@@ -249,11 +257,29 @@ class LayerGraphs:
             self.entries[key] = Graph(graph, statics, grad_input, layout_grads, kept=layout)
         return result
 
+    def _replay(self, entry: Graph, device: torch.device) -> None:
+        """Replay `entry`, the host kept at most RUN_AHEAD replays ahead of the GPU and of the checkpoints' copies.
+        Freed of launching the passes, the host would queue a whole pass's layers at once, and the blocks each one
+        allocates (the checkpoints' copies back, the parked attention's copies out) could not be reused until the GPU
+        reached them: W1's reserved peak was 10.2 GiB at 4,096 tokens and 11.0 at 16,384 unbounded, 6.7 and 7.9 so,
+        at the same step time."""
+        if len(self.launched) >= RUN_AHEAD:
+            for event in self.launched.popleft():
+                event.synchronize()
+        entry.graph.replay()
+        self.replays += 1
+        events = [torch.cuda.Event()]
+        events[0].record()
+        if self.side_stream is not None:
+            events.append(torch.cuda.Event())
+            events[1].record(self.side_stream(device))
+        self.launched.append(events)
+
     # -- keys, entries, buffers -----------------------------------------------------------------------------------
     def _key(self, kind: str, layer, kwargs: dict, hidden_states: torch.Tensor, extra: tuple) -> tuple | None:
         signature = kwargs_signature(kwargs)
-        if signature is None:
-            return None
+        if signature is None or (layer.training and getattr(getattr(layer, "self_attn", None), "attention_dropout", 0)):
+            return None  # keyword objects a key cannot hold, or the attention's dropout (a replay repeats its mask)
         shape = (tensor_signature(hidden_states), signature)
         return kind, shape, id(layer), layer_state(layer), global_state(hidden_states.device), extra
 
@@ -306,8 +332,10 @@ class LayerGraphs:
     def _kept_buffers(statics: Statics, layout: tuple, like: torch.Tensor) -> dict:
         """The static byte buffers of a kept attention record's saved storages (but keyword tensors': those have
         their own), by index."""
-        return {index: statics.buffer(f"kept{index}", like, shape=(entry[1],), dtype=torch.uint8)
-                for index, entry in enumerate(layout[0]) if entry[0] == "data"}  # fmt: skip
+        sizes = {index: entry[1] if entry[0] == "data" else 64 for index, entry in enumerate(layout[0])
+                 if entry[0] in ("data", "scalar")}  # a scalar's: an address for a GPU scalar, never read  # fmt: skip
+        return {index: statics.buffer(f"kept{index}", like, shape=(size,), dtype=torch.uint8)
+                for index, size in sizes.items()}  # fmt: skip
 
     @staticmethod
     def _load(statics: Statics, kwargs: dict, inputs: dict, requires_grad: bool = False) -> dict:
