@@ -215,8 +215,8 @@ def render_w1(b: dict[str, Source]) -> str:
         f"The same loss as TRL where TRL fits (largest relative difference {differ['loss']:.0e}) and the gradient "
         f"norm within {differ['grad_norm']:.0e} of TRL's (bf16 summed in another order). The rows up to "
         f"{lengths[-1]:,} tokens ran in one run, each side's median of {repeats} timed iterations, slimrl with its "
-        f"defaults on CUDA (fast LoRA; from 4,096 tokens the attention kept from the forward; below that the layer "
-        f"passes replayed as CUDA graphs). {w1_layer_graphs_note(b)} {w1_kept_attention_note(b)} The longer rows are "
+        f"defaults on CUDA (fast LoRA; the layer passes replayed as CUDA graphs, from 4,096 tokens with the attention "
+        f"kept from the forward). {w1_layer_graphs_note(b)} {w1_kept_attention_note(b)} The longer rows are "
         f"from before fast LoRA. {w1_spread_note(short, lengths)} "
         f"{w1_host_note(b)} {w3_training_note(b)}")
     sources = [src for row in rows.values() for src in row["sources"]]

@@ -66,8 +66,9 @@ class SlimFields:
             "gradient-free forward and its recompute-and-backward as CUDA graphs once the same shapes come back "
             "(captured the second time a shape is seen; at most 2 shapes kept): a short sequence's step is bound by "
             "the host's launches, which a replay removes (W1 at 1,024 tokens: 0.22 s against 0.32 s on an H200). The "
-            "same kernels, bit for bit the same gradients; the passes of layers that keep their attention "
-            "(keep_attention_tokens) stay eager. False: every pass eager."
+            "same kernels, bit for bit the same gradients; layers that keep their attention (keep_attention_tokens) "
+            "replay too, the kept attention's output going through static buffers (W1 at 4,096 tokens on an H100: "
+            "0.86 s against 0.98 s). False: every pass eager."
         },
     )
     fast_lora: bool | None = field(
