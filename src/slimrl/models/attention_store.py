@@ -67,7 +67,7 @@ class _Parked:
         self.device, self.state, self.nbytes = tensor.device, state, raw.numel()
         self.on_device: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
-        self.redirect: torch.Tensor | None = None  # a static buffer read instead (`AttentionRecord.redirect`)
+        self.redirect: torch.Tensor | None = None  # a static buffer read instead (`kept_buffers.redirect`)
         if tensor.is_cuda:
             self.host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
             side = state.side_stream(tensor.device)
