@@ -12,6 +12,7 @@ in it: the nodes are called from the backward of a node of their own, in a neste
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 
@@ -62,7 +63,8 @@ def _backprop(root, grad: torch.Tensor, inputs: list) -> list:
                     stack.append(child)
     slots = {root.node: [None] * len(root.node._input_metadata)}
     slots[root.node][root.output_nr] = grad
-    ready = [(-root.node._sequence_nr(), 0, root.node)]
+    pushed = itertools.count()  # ties in the order (nodes made on other threads) never compare the nodes
+    ready = [(-root.node._sequence_nr(), next(pushed), root.node)]
     arrived: dict = {}
     while ready:
         node = heapq.heappop(ready)[2]
@@ -81,5 +83,5 @@ def _backprop(root, grad: torch.Tensor, inputs: list) -> list:
                 slot[number] = result if slot[number] is None else slot[number] + result
             waiting[child] -= 1
             if waiting[child] == 0:
-                heapq.heappush(ready, (-child._sequence_nr(), len(arrived) + len(slots), child))
+                heapq.heappush(ready, (-child._sequence_nr(), next(pushed), child))
     return [arrived[edge.node][edge.output_nr] if edge.node in arrived else None for edge in inputs]
