@@ -231,3 +231,14 @@ def test_a_backward_meeting_a_replayed_forwards_record_recomputes_and_asks_for_a
     assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], "recorded forward")
     assert state.graphs.replays == replays + layers and not state.graphs.unrecorded
     assert state.kept_attention == kept + layers and state.graphs.failures == 0
+
+
+@pytest.mark.cuda
+def test_passes_over_the_token_bound_stay_eager(monkeypatch):
+    monkeypatch.setattr(layer_graphs, "MAX_TOKENS", 23)  # 2 x 12 tokens a pass: over it
+    eager, graphed = cuda_pair("qwen2", torch.bfloat16, attention_tokens=1)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
+    for number in range(3):
+        assert_equal_steps(*[step(model, ids, torch.ones_like(ids)) for model in (eager, graphed)], f"step {number}")
+    graphs = offload_state(graphed).graphs
+    assert graphs is None or (graphs.captures == 0 and graphs.replays == 0)
