@@ -114,8 +114,8 @@ def time_fresh(bench: Bench, into: dict, label: str, **flags) -> None:  # the en
 
 
 def profile_graphs(bench: Bench, engine: RolloutEngine, into: dict, name: str) -> None:
-    """`graph_profile` of the engine's decode step at batch 64 and 256 (those of --batches), into[decode_graph_B*]."""
-    for batch in (b for b in (64, 256) if b in bench.args.batches):
+    """`graph_profile` of the decode step at batch 8, 64 and 256 (those of --batches), into[decode_graph_B*]."""
+    for batch in (b for b in (8, 64, 256) if b in bench.args.batches):
         with recorded(bench.report, f"{name}.B{batch}"):
             engine.generate(bench.prompts(batch), W2_SAMPLING, max_new_tokens=8)
             into[f"decode_graph_B{batch}"] = graph_profile(engine)
@@ -313,7 +313,7 @@ SECTIONS = (  # (name for --skip, what it runs, whether it needs CUDA, what it r
     ("unfused", lambda b: time_fresh(b, b.report.setdefault("engine_unfused", {}), "unfused", **UNFUSED), False,
      "tok/s of a fresh engine with fused_decode=False, fused_sampling=False"),
     ("greedy", section_greedy, False, "engine greedy vs generate greedy in bf16 (reported, not checked)"),
-    ("profile", section_profile, True, "kernels of one captured decode step at batch 64 and 256"),
+    ("profile", section_profile, True, "kernels of one captured decode step at batch 8, 64 and 256"),
     ("hf", baseline("hf", common.generate_throughput), False, "TRL's default path: generate via the PEFT model"),
     ("cb", baseline("cb", common.continuous_batching_throughput), False, "transformers' continuous batching"),
     ("fp32", lambda b: section_greedy(b, fp32=True), False, "with --fp32-check: fp32 greedy, checked against generate"),
@@ -336,7 +336,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--fp32-check", action="store_true", help="also compare greedy output in fp32 (slow)")
     parser.add_argument("--variants", nargs="*", default=["pdl=0"], help="engine settings to time (see above)")
     parser.add_argument("--profile-variants", action="store_true",
-                        help="also profile each variant's decode step at batch 64 and 256 (as section profile)")
+                        help="also profile each variant's decode step at batch 8, 64 and 256 (as section profile)")
     parser.add_argument("--model", choices=common.MODELS, default="w1", help="W1's (default) or another shape")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: a CPU smoke run")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; 64 with --tiny)")
