@@ -72,6 +72,10 @@ def test_timed_iterations_runs_one_untimed_then_the_repeats_and_takes_the_median
 
     def iteration():
         calls.append(1)
+        cycles = [[] for _ in range(20000)]  # garbage for the collector, whatever an earlier test froze
+        for item in cycles:
+            item.append(item)
+        del cycles, item
         gc.collect()  # one full collection per iteration: each timed one records its pause
         return len(calls)
 

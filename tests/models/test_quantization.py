@@ -113,3 +113,16 @@ def test_gguf_with_4bit_is_converted_then_quantised(tmp_path, caplog):
 def test_dequantized_weight_of_a_plain_linear_is_its_weight():
     linear = torch.nn.Linear(4, 3)
     assert torch.equal(quantization.dequantized_weight(linear), linear.weight.detach())
+
+
+def test_a_4bit_models_state_is_the_loaded_one_after_inference_on_any_cpu(saved_tiny):
+    # bitsandbytes repacks 4-bit weights for its bf16 kernel on CPUs with AVX512-BF16 (quantization.keep_cpu_4bit_layout)
+    model, _ = FastLanguageModel.from_pretrained(str(saved_tiny), load_in_4bit=True, max_seq_length=CONTEXT)
+    loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        model(PROMPT, attention_mask=PROMPT_MASK)
+    after = model.state_dict()
+    assert set(after) == set(loaded) and any(name.endswith("bitsandbytes__nf4") for name in after)
+    changed = [name for name, tensor in loaded.items() if not torch.equal(after[name], tensor)]
+    assert changed == []

@@ -69,6 +69,8 @@ def build_model(spec: dict, channel: Channel):
     tensors in the trainer's dtypes. Built as the trainer's was, so the two compute the same numbers."""
     from peft import get_peft_model
 
+    from slimrl.models.quantization import keep_cpu_4bit_layout
+
     device = torch.device(spec["device"])
     state = {name: channel.recv_tensor(shape, dtype) for name, (shape, dtype) in spec["state"].items()}
     base_state, adapter_state = split_peft_state(state)
@@ -77,6 +79,7 @@ def build_model(spec: dict, channel: Channel):
         config.quantization_config = spec["quantization"]  # a dict, as a pre-quantised checkpoint's config has it
     base = spec["model_class"].from_pretrained(None, config=config, state_dict=base_state, dtype=spec["dtype"],
                                                device_map={"": device})  # fmt: skip
+    keep_cpu_4bit_layout(base)  # as the trainer's loader does: the same bits on every CPU
     active = spec["active_adapter"]  # and every other adapter the trainer's model carries (TRL's "ref" one)
     model = get_peft_model(base, spec["peft_configs"][active], adapter_name=active)
     for name, adapter_config in spec["peft_configs"].items():

@@ -233,6 +233,8 @@ def _load_pretrained(model_name: str, options: LoadOptions, device_map, trust_re
         logger.warning("slimrl: loading %d-bit weights on the CPU; bitsandbytes' CPU kernels run them (slow, meant "
                        "for testing).", 4 if options.load_in_4bit else 8)  # fmt: skip
     model = _load_model(source, options.dtype, device_map, quant_config, trust_remote_code, kwargs)
+    if quant_config is not None and not cuda_available():
+        quantization.keep_cpu_4bit_layout(model)
     tokenizer = _load_tokenizer(source, trust_remote_code)
     ensure_pad_token(tokenizer, model)
     _warn_beyond_context(model, options.max_seq_length)

@@ -56,6 +56,17 @@ def is_quantized_linear(module: torch.nn.Module) -> bool:
     return weight is not None and type(weight).__name__ in ("Params4bit", "Int8Params")
 
 
+def keep_cpu_4bit_layout(model) -> None:
+    """Keep bitsandbytes' 4-bit layers in their serialised layout on the CPU. On a CPU with AVX512-BF16, bitsandbytes
+    (0.50) repacks a Linear4bit's weight at its first gradient-free forward in eval mode into a layout of its own bf16
+    kernel, and packs it back when the state is saved, quantising the absmax constants again: the saved state then
+    differs from the loaded one, and the layer computes in another precision than on a CPU without those
+    instructions. slimrl's 4-bit CPU path is for tests, so it stays the same on every CPU."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def prepare_for_kbit_training(model) -> None:
     """What LoRA training on a 4/8-bit base needs, and nothing more.
 
