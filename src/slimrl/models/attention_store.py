@@ -122,7 +122,12 @@ class _Resident:
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     """The whole storage under `tensor`, as bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    return raw_storage(tensor.untyped_storage(), tensor.device)
+
+
+def raw_storage(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A storage as a byte tensor over all of it (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 class _View:

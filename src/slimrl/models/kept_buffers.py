@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from slimrl.models.attention_store import AttentionRecord, _Handle, _Parked, _Resident
+from slimrl.models.attention_store import AttentionRecord, _Handle, _Parked, _Resident, raw_storage
 
 
 def layout(record: AttentionRecord, kwargs: dict) -> tuple | None:
@@ -34,15 +34,14 @@ def load(record: AttentionRecord, buffers: dict, layout: tuple) -> None:
     for index, entry in enumerate(layout[0]):
         if entry[0] == "data":
             source = record.sources[index]
-            buffers[index].copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.storage()))
+            buffers[index].copy_(raw_storage(source.storage(), source.device))
 
 
 def redirect(record: AttentionRecord, buffers: dict, kwargs: dict, layout: tuple) -> None:
     """Read every saved storage from the static buffers from now on (a capture's reads must be of those)."""
     for index, entry in enumerate(layout[0]):
         if entry[0] == "kwarg":
-            value = kwargs[entry[1]]
-            record.sources[index].redirect = value[entry[2]] if isinstance(value, tuple | list) else value
+            record.sources[index].redirect = _kwarg(kwargs, entry)
         elif entry[0] == "data" or (entry[0] == "scalar" and record.sources[index].device.type == "cuda"):
             record.sources[index].redirect = buffers[index]  # (a scalar's: an address that stays valid)
 
@@ -54,8 +53,7 @@ def from_buffers(state, buffers: dict, layout: tuple, kwargs: dict) -> Attention
     record = AttentionRecord(state, [])
     for index, entry in enumerate(layout[0]):
         if entry[0] == "kwarg":
-            value = kwargs[entry[1]]
-            source = _Resident(value[entry[2]] if isinstance(value, tuple | list) else value)
+            source = _Resident(_kwarg(kwargs, entry))
         elif entry[0] != "data":  # never read: the record's recompute runs the attention
             source = _Resident(torch.empty(0, dtype=torch.uint8))
         else:
@@ -66,6 +64,12 @@ def from_buffers(state, buffers: dict, layout: tuple, kwargs: dict) -> Attention
         record.sources.append(source)
     record.output = _Handle(record.sources[layout[1]], None, layout[2])
     return record
+
+
+def _kwarg(kwargs: dict, entry: tuple) -> torch.Tensor:
+    """The keyword tensor a ("kwarg", name, index) entry names: the value itself, or its item of a tuple or list."""
+    value = kwargs[entry[1]]
+    return value[entry[2]] if isinstance(value, tuple | list) else value
 
 
 def _kind(source) -> tuple:

@@ -239,8 +239,8 @@ class LayerGraphs:
             record.keep = True
 
         def body():
-            with aliased(layer, params) as aliases, \
-                    attention_store.replaying(deque([record])) if record is not None else _no_tape():  # fmt: skip
+            tape = attention_store.replaying(deque([record])) if record is not None else contextlib.nullcontext()
+            with aliased(layer, params) as aliases, tape:
                 inner = Weights(aliases)
                 input_grad = run(x, grad, inner, statics.kwargs)
             if flat_layout(params, inner.sums) != layout_grads or (input_grad is None) != (grad_input is None):
@@ -393,7 +393,3 @@ class LayerGraphs:
         self.idle = 0
         return graph
 
-
-@contextlib.contextmanager
-def _no_tape():
-    yield
