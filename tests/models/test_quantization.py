@@ -116,7 +116,7 @@ def test_dequantized_weight_of_a_plain_linear_is_its_weight():
 
 
 def test_a_4bit_models_state_is_the_loaded_one_after_inference_on_any_cpu(saved_tiny):
-    # bitsandbytes repacks 4-bit weights for its bf16 kernel on CPUs with AVX512-BF16 (quantization.keep_cpu_4bit_layout)
+    # bitsandbytes repacks 4-bit weights for its bf16 kernel on CPUs with AVX512-BF16 (keep_cpu_4bit_layout)
     model, _ = FastLanguageModel.from_pretrained(str(saved_tiny), load_in_4bit=True, max_seq_length=CONTEXT)
     loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     model.eval()
