@@ -229,11 +229,12 @@ def _load_pretrained(model_name: str, options: LoadOptions, device_map, trust_re
     source = resolve_source(model_name, revision=kwargs.pop("revision", None))
     if device_map is None:
         device_map = default_device_map()
-    if quant_config is not None and not cuda_available():
+    quantized_on_cpu = quant_config is not None and not cuda_available()
+    if quantized_on_cpu:
         logger.warning("slimrl: loading %d-bit weights on the CPU; bitsandbytes' CPU kernels run them (slow, meant "
                        "for testing).", 4 if options.load_in_4bit else 8)  # fmt: skip
     model = _load_model(source, options.dtype, device_map, quant_config, trust_remote_code, kwargs)
-    if quant_config is not None and not cuda_available():
+    if quantized_on_cpu:
         quantization.keep_cpu_4bit_layout(model)
     tokenizer = _load_tokenizer(source, trust_remote_code)
     ensure_pad_token(tokenizer, model)
