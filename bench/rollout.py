@@ -16,8 +16,9 @@ exit status 1); nothing is switched off to pass a check. The kernels' checks at 
 (tests/rollout/kernels/test_w1_shapes.py); their launch settings come from bench/tune_decode.py. --tiny: a 2-layer
 model of --model's family, 64-token prompts, 8 new tokens, on the CPU without a GPU (a smoke run; CUDA sections are
 skipped).
---variants, each KEY=VALUE[,KEY=VALUE]: pdl (`kernels.common.MODE`; 0 = ordinary launches), a boolean EngineOptions
-field, or GROUP[@ROWS].FIELD (a `KernelChoice` field in every decode row bucket, or in that of ROWS rows).
+--variants, each KEY=VALUE[,KEY=VALUE]: pdl (`kernels.common.MODE`; 0 = ordinary launches), attention_splits (an
+int), a boolean EngineOptions field, or GROUP[@ROWS].FIELD (a `KernelChoice` field in every decode row bucket, or in
+that of ROWS rows).
 --repeat-prompts G: each timed batch holds batch / G distinct prompts, each G times in a row, as TRL repeats GRPO's
 prompts; with `--variants share_prompt_prefill=0` it times the engine without the shared prefill beside it.
 --prompt-tokens: the prompts' length (default 256; 64 with --tiny).
@@ -145,6 +146,8 @@ def parse_variant(variant: str, engine: RolloutEngine) -> tuple[dict, int | None
     for key, value in (item.split("=") for item in variant.split(",") if item):
         if key == "pdl":
             pdl = int(value)
+        elif key == "attention_splits":
+            flags[key] = int(value)
         elif key in EngineOptions.__dataclass_fields__:  # a flag: deterministic, triton_attention, ...
             flags[key] = bool(int(value))
         else:

@@ -11,15 +11,17 @@ settings (`fused_ops.choices_for`), the whole set is checked again at every row 
 `fused_ops.save_choices` to --choices (default `fused_ops.tuned_path(<GPU name>)`, the file the engine loads at run
 time; on the GPU machine pass a path under $OUT to get it back). The JSON holds every timing and the chosen set.
 
-The decode attention kernel's (block_s, num_warps) candidates are checked against SDPA and timed the same way at W2's
-mean context (3/4 of the cache's columns live); the engine's attention launch settings are not in the tuned file
-(see `runner.Runner._attention_kernel`), so these are reported only.
+The decode attention kernel's (block_s, num_warps, splits) candidates are checked against SDPA and timed the same
+way with 3/4 of the cache's columns live, for caches of --attention-columns (W2's 512, and W3's 1,024 new tokens past
+a prompt); the engine's attention launch settings are not in the tuned file (see `runner.Runner._attention_kernel`:
+`attention.launch_tiles` and `attention.context_splits`, whose choice is reported beside them), so these are
+reported only.
 
 A launch timed alone is not a decode step: confirm a new setting in the step with
 `bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` (with PDL, a step can rank settings differently).
 
     python bench/tune_decode.py [$OUT/tune_decode.json] [--groups qkv o gate_up down attention] [--rows 8 64 256]
-                                [--choices PATH] [--tiny]
+                                [--attention-columns 512 1536] [--choices PATH] [--tiny]
 
 --tiny: a small layer (hidden 96, 4 heads of 32, 2 kv heads, intermediate 80, LoRA r=8) on the CPU in Triton's
 interpreter (set TRITON_INTERPRET=1): the candidates' checks and the choosing run, the times are one wall-clock call
@@ -64,7 +66,9 @@ TUNE_CANDIDATES = {
              (True, 64, 128, 4, 3, 0, 0, 8), (True, 32, 64, 4, 4, 0, 0, 8), (True, 64, 64, 4, 4, 0, 0, 4),
              (True, 64, 128, 4, 3, 0, 0, 4)],
 }  # fmt: skip
-ATTENTION_CANDIDATES = [(64, 4), (128, 4), (128, 8), (32, 4)]  # (block_s, num_warps)
+# (block_s, num_warps, splits: programs sharing a row's columns)
+ATTENTION_CANDIDATES = [(64, 4, 1), (128, 4, 1), (128, 8, 1), (32, 4, 1), *((128, 8, n) for n in (2, 3, 4, 8, 12, 16)),
+                        *((64, 4, n) for n in (2, 4, 8, 16, 24))]  # fmt: skip
 # largest error over the largest reference magnitude, bf16 outputs with TF32 adapters (measured on the H100: 0.6%)
 TOLERANCE = 2e-2
 
@@ -180,10 +184,10 @@ def group_errors(layer: Layer, rows: int, choices: dict, device, groups=GROUPS, 
     return {group: checked_call(layer, rows, group, choices, device, ordered)[0] for group in groups}
 
 
-def attention_error(layer: Layer, rows: int, device, block_s: int = 64, num_warps: int = 4):
+def attention_error(layer: Layer, rows: int, device, block_s: int = 64, num_warps: int = 4, splits: int = 1):
     """(relative error against SDPA with the additive mask, the callable) of decode attention reading the cache
     through its address table, with each row's live columns from a random start to 3/4 of the cache."""
-    from slimrl.rollout.kernels.attention import decode_attention
+    from slimrl.rollout.kernels.attention import SplitScratch, decode_attention
     from slimrl.rollout.kv_cache import StaticKVCache, table_entries
 
     g = torch.Generator(device=device).manual_seed(rows)
@@ -201,8 +205,11 @@ def attention_error(layer: Layer, rows: int, device, block_s: int = 64, num_warp
     k, v = (t.repeat_interleave(layer.heads // layer.kv_heads, 1) for t in (keys, values))
     want = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]
 
+    scratch = SplitScratch()
+
     def call():
-        return decode_attention(q, keys, values, starts, end, scale, 0, table, anchor, block_s, num_warps)
+        return decode_attention(q, keys, values, starts, end, scale, 0, table, anchor, block_s, num_warps,
+                                splits=splits, scratch=scratch)  # fmt: skip
 
     return relative_error((call(),), (want,)), call
 
@@ -266,16 +273,23 @@ def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings
     return best
 
 
-def tune_attention(layer: Layer, row_counts, device, timings: dict) -> dict:
-    """{rows: fastest checked (block_s, num_warps)}; every candidate into `timings`."""
+def tune_attention(layer: Layer, row_counts, columns, device, timings: dict) -> dict:
+    """{B<rows>_c<columns>: the fastest checked (block_s, num_warps, splits), and the engine's choice}; every
+    candidate into `timings`."""
+    from slimrl.rollout.kernels.attention import context_splits, launch_tiles
+
     fastest = {}
-    for rows in row_counts:
-        for block_s, warps in ATTENTION_CANDIDATES:
-            key = f"attention_B{rows}_s{block_s}_w{warps}"
-            took = measure(timings, key, lambda r=rows, s=block_s, w=warps: attention_error(layer, r, device, s, w))
-            if took is not None and took < fastest.get(rows, (float("inf"),))[0]:
-                fastest[rows] = (took, {"block_s": block_s, "num_warps": warps})
-    return {f"B{rows}": {"us": us, **settings} for rows, (us, settings) in fastest.items()}
+    for rows, cache_len in ((r, c) for c in columns for r in row_counts):
+        shaped = dataclasses.replace(layer, cache_len=cache_len)
+        for block_s, warps, splits in ATTENTION_CANDIDATES:
+            key = f"attention_B{rows}_c{cache_len}_s{block_s}_w{warps}_x{splits}"
+            took = measure(timings, key, lambda a=shaped, r=rows, s=block_s, w=warps, n=splits: attention_error(
+                a, r, device, s, w, n))  # fmt: skip
+            if took is not None and took < fastest.get((rows, cache_len), (float("inf"),))[0]:
+                fastest[rows, cache_len] = (took, {"block_s": block_s, "num_warps": warps, "splits": splits})
+    engine = {(r, c): {**launch_tiles(r, torch.bfloat16, layer.head_dim),
+                       "splits": context_splits(r, layer.kv_heads, c, device)} for r, c in fastest}  # fmt: skip
+    return {f"B{r}_c{c}": {"us": us, **settings, "engine": engine[r, c]} for (r, c), (us, settings) in fastest.items()}
 
 
 def choose(report: Report, layer: Layer, args, current: dict, best: dict, device) -> dict | None:
@@ -307,6 +321,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("out", nargs="?", default=default_output("tune_decode.json"))
     parser.add_argument("--groups", nargs="+", default=[*GROUPS, "attention"], choices=[*GROUPS, "attention"])
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="decode row counts to tune at")
+    parser.add_argument("--attention-columns", type=int, nargs="+", default=[512, 1536],
+                        help="cache lengths to time the attention at (3/4 of them live)")
     parser.add_argument("--choices", help="where to write the chosen settings (default: the GPU's tuned file)")
     parser.add_argument("--tiny", action="store_true", help="a small layer, for a CPU run in Triton's interpreter")
     return parser.parse_args(argv)
@@ -328,7 +344,8 @@ def main(argv=None) -> Report:
         best = tune_groups(layer, args.groups, args.rows, current, device, report["timings_us"])
     if "attention" in args.groups:
         with recorded(report, "attention"):
-            report["attention_fastest"] = tune_attention(layer, args.rows, device, report["timings_us"])
+            columns = [layer.cache_len] if args.tiny else args.attention_columns
+            report["attention_fastest"] = tune_attention(layer, args.rows, columns, device, report["timings_us"])
     report["wrong_candidates"] = [k for k, v in report["timings_us"].items() if str(v).startswith("WRONG")]
     with recorded(report, "choose"):
         chosen = choose(report, layer, args, current, best, device)

@@ -47,6 +47,7 @@ def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, 
 
     monkeypatch.setitem(tuner.TUNE_CANDIDATES, "o", [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3)])
     monkeypatch.setitem(tuner.TUNE_CANDIDATES, "down", [(False, 64, 64, 4, 3), (True, 32, 128, 4, 3, 0, 0, 4)])
+    monkeypatch.setattr(tuner, "ATTENTION_CANDIDATES", [(32, 4, 1), (16, 4, 3)])
     real = tuner.fused_call
 
     def wrong_for_wide_tiles(layer, case, group, choices, ordered=False):
@@ -67,7 +68,8 @@ def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, 
     assert chosen["o"][16].block_n == 16, "the only correct candidate for o"
     assert (chosen["down"][16].gemm, chosen["down"][16].block_n) in ((False, 64), (True, 32))
     assert chosen["qkv"] == shipped_choices()["qkv"], "groups not tuned keep their settings"
-    assert set(saved["attention_fastest"]["B5"]) == {"us", "block_s", "num_warps"}
+    assert set(saved["attention_fastest"]["B5_c24"]) == {"us", "block_s", "num_warps", "splits", "engine"}
+    assert isinstance(saved["timings_us"]["attention_B5_c24_s16_w4_x3"], float), "a split candidate, checked"
     assert all(e < tuner.TOLERANCE for errors in saved["chosen_check"].values() for e in errors.values())
     assert {"B5", "B5_ordered"} == set(saved["chosen_check"])
 

@@ -24,18 +24,26 @@ def prompts(count: int) -> list[list[int]]:
             for _ in range(count)]  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [8, 64])
-def test_deterministic_engine_repeats_its_rollouts_bit_for_bit(rows):
+@pytest.mark.parametrize("rows, new_tokens", [(8, 48), (64, 48), (8, 300), (16, 200)])
+def test_deterministic_engine_repeats_its_rollouts_bit_for_bit(rows, new_tokens):
+    # the longer rollouts split each row's attention columns over programs (`attention.context_splits`: 3 of 384
+    # columns at 8 rows, 2 of 256 at 16), whose sums meet in split order
+    from slimrl.rollout.kernels.attention import context_splits
+
     model = bf16_lora_model()
     engine = RolloutEngine(model, deterministic=True)
     params = SamplingParams(temperature=1.0, seed=5)
     batch = prompts(rows)
-    first = engine.generate(batch, params, max_new_tokens=48)
+    first = engine.generate(batch, params, max_new_tokens=new_tokens)
+    session = engine.sessions.current
+    split = context_splits(rows, 2, session.seq_len, session.table.device) > 1
+    assert split == (new_tokens > 48)
+    assert (session.scratch is not None and session.scratch.holds("cuda", "attention")) == split
     for _ in range(3):
-        again = engine.generate(batch, params, max_new_tokens=48)
+        again = engine.generate(batch, params, max_new_tokens=new_tokens)
         assert again.completion_ids == first.completion_ids
         assert again.logprobs == first.logprobs
-    fresh = RolloutEngine(model, deterministic=True).generate(batch, params, max_new_tokens=48)
+    fresh = RolloutEngine(model, deterministic=True).generate(batch, params, max_new_tokens=new_tokens)
     assert fresh.completion_ids == first.completion_ids and fresh.logprobs == first.logprobs
 
 
@@ -109,8 +117,10 @@ def test_shared_prompt_cache_on_the_whole_cuda_path():
 
     model = bf16_lora_model()
     params = SamplingParams(temperature=1.0, seed=3)
-    shared = RolloutEngine(model, deterministic=True)
-    separate = RolloutEngine(model, deterministic=True, share_prompt_cache=False)
+    # bf16 draws compared bit for bit: one attention program per row and kv head in both (by default each layout's
+    # split count follows its own column count, 384 here and 256 with copies, so their sums may round apart)
+    shared = RolloutEngine(model, deterministic=True, attention_splits=1)
+    separate = RolloutEngine(model, deterministic=True, share_prompt_cache=False, attention_splits=1)
     first = shared.generate(ROWS, params, 40)
     assert first.completion_ids == separate.generate(ROWS, params, 40).completion_ids
     assert not shared.sessions.current.graph_bakes_cache, "the graph reads both caches through their tables"

@@ -28,6 +28,8 @@ def test_impossible_settings_name_the_flag():
         EngineOptions(cuda_graphs=True).resolve(torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="fused_decode=True needs triton_lora=True"):
         EngineOptions(fused_decode=True, triton_lora=False).resolve(DEVICE, torch.float32)
+    with pytest.raises(ValueError, match="attention_splits=0: give 1 ... 256"):
+        EngineOptions(attention_splits=0).resolve(DEVICE, torch.float32)
 
 
 def test_fused_decode_loads_the_tuned_settings_and_describe_reports_them():

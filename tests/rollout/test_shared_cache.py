@@ -100,6 +100,13 @@ def test_the_kernels_read_the_prompt_from_its_one_copy():
     got = shared.generate(rows, GREEDY, 3).completion_ids
     assert prefix_of(shared) == (2, 256)
     assert got == separate.generate(rows, GREEDY, 3).completion_ids == hf_greedy(model, rows, 3, eos_token_id=None)
+    # each row's columns were split over programs (3 of the 384 shared columns, 2 of the 256 a copy per row needs:
+    # `attention.context_splits`), their sums merged in split order
+    for engine in (shared, separate):
+        assert engine.sessions.current.scratch.holds(KERNEL_DEVICE, "attention")
+    whole = RolloutEngine(model, share_prompt_cache=True, attention_splits=1, **flags)  # a program per row and head
+    assert whole.generate(rows, GREEDY, 3).completion_ids == got
+    assert not whole.sessions.current.scratch.holds(KERNEL_DEVICE, "attention")
 
 
 def test_short_prompts_keep_a_copy_per_row():

@@ -55,10 +55,16 @@ class EngineOptions:
     share_prompt_cache: with share_prompt_prefill, the cache holds each distinct prompt's K/V once (a shared prefix,
         `kv_cache`) and each row only its completion's, when that is fewer columns than a copy per row (the prompt
         columns are rounded up to 128): cache memory for long prompts falls by the copies per prompt. The
-        attention reads the prompt's columns from the one copy; same math, so the same completions. Default (None):
+        attention reads the prompt's columns from the one copy; same math, so the same completions (up to the
+        attention's summation order: the copies shift the prompt's columns, and each layout's attention_splits
+        follow its own column count, so bf16 sums may round apart). Default (None):
         on where the Triton decode attention reads the copy in place (`Runner.reads_prefix_in_place`: CUDA, a
         power-of-two head dim, no soft-capped scores); elsewhere the plain attention would gather the rows into a
         new tensor at every step and layer, so a copy per row is kept unless this is True.
+    attention_splits: how many programs share each row's live columns in the Triton decode attention (their sums
+        merged in a fixed order, so either engine mode keeps its guarantees); None: `kernels.attention.
+        context_splits` picks by the batch, the kv heads and the cache's columns (several at 8 or 64 rows, none
+        where the rows alone fill the GPU); 1: a program per row and kv head.
     kernel_choices: the fused kernels' launch settings, {group: {row bucket: fused_ops.KernelChoice}}; None loads
         `rollout/tuned/<GPU name>.json` (written by bench/tune_decode.py).
     """
@@ -73,6 +79,7 @@ class EngineOptions:
     deterministic: bool = False
     share_prompt_prefill: bool = True
     share_prompt_cache: bool | None = None
+    attention_splits: int | None = None
     kernel_choices: dict | None = None
     choices_file: str | None = dataclasses.field(default=None, repr=False)  # where kernel_choices came from
 
@@ -97,6 +104,9 @@ class EngineOptions:
         for name in ("triton_lora", "triton_attention", "fused_decode", "fused_sampling"):
             if getattr(resolved, name) and not triton_here:
                 raise ValueError(f"{name} needs Triton and the model on a CUDA device (or TRITON_INTERPRET=1).")
+        if resolved.attention_splits is not None and not 1 <= resolved.attention_splits <= 256:
+            raise ValueError(f"attention_splits={resolved.attention_splits}: give 1 ... 256, or None to let the "
+                             "engine choose.")  # fmt: skip
         if resolved.fused_decode and not resolved.triton_lora:
             raise ValueError("fused_decode=True needs triton_lora=True (its LoRA shrinks are Triton launches).")
         if resolved.fused_decode and resolved.kernel_choices is None:

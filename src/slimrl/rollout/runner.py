@@ -203,13 +203,17 @@ class Runner:
 
         def kernel(q, keys, values, starts, end, scale, layer):
             tiles = module.launch_tiles(q.shape[0], q.dtype, q.shape[-1])
+            splits = self.options.attention_splits or module.context_splits(q.shape[0], keys.shape[1],
+                                                                            session.seq_len, q.device)  # fmt: skip
+            if splits > 1 and session.scratch is None:  # (kept with the graph, as the fused kernels' split-K scratch)
+                session.scratch = module.SplitScratch()
             prefix = None
             if session.prefix_len:  # (its tensors give the strides; the kernel finds them through the table)
                 cache = session.cache
                 prefix = module.Prefix(session.source, session.prefix_len, cache.prefix_keys[layer],
                                        cache.prefix_values[layer], session.prefix_table)  # fmt: skip
             return module.decode_attention(q, keys, values, starts, end, scale, layer, session.table, session.anchor,
-                                           prefix=prefix, **tiles)  # fmt: skip
+                                           prefix=prefix, splits=splits, scratch=session.scratch, **tiles)  # fmt: skip
 
         return kernel
 

@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimrl.rollout.kernels.attention import Prefix, can_run, decode_attention, launch_tiles
+from slimrl.rollout.kernels.attention import (
+    Prefix,
+    SplitScratch,
+    can_run,
+    context_splits,
+    decode_attention,
+    launch_tiles,
+)
 from slimrl.rollout.kv_cache import StaticKVCache, table_entries
 from tests.rollout.helpers import KERNEL_DEVICE
 from tests.rollout.kernels.builders import DEVICE, DIM, HEADS, KV_HEADS, rand
@@ -66,9 +73,41 @@ def test_attention_kernel_reads_the_cache_through_the_table():
     assert torch.equal(via_table, direct)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "fp32_sum"), (torch.bfloat16, "bf16")])
+def test_split_columns_merge_to_the_masked_sdpa_and_the_same_bits_every_launch(splits, dtype, kind):
+    # rows whose columns fill every split, and rows starting so late that the first splits' runs are empty
+    g = torch.Generator(device=KERNEL_DEVICE).manual_seed(11)
+    batch, heads, kv_heads, dim, length = 4, 6, 2, 32, 200
+    q = torch.randn(batch, heads, dim, generator=g, device=KERNEL_DEVICE).to(dtype)
+    keys, values = (torch.randn(batch, kv_heads, length, dim, generator=g, device=KERNEL_DEVICE).to(dtype)
+                    for _ in range(2))  # fmt: skip
+    starts, end = torch.tensor([0, 31, 32, 180], device=KERNEL_DEVICE), torch.tensor([190], device=KERNEL_DEVICE)
+    scratch = SplitScratch()
+    got = decode_attention(q, keys, values, starts, end, dim**-0.5, block_s=32, splits=splits, scratch=scratch)
+    assert_close(got.float(), sdpa_reference(q, keys, values, starts, 190, dim**-0.5).float(), kind,
+                 name=f"attention over {splits} splits")  # fmt: skip
+    counts = scratch.take(q.device, 1, 1, purpose="attention")[1]
+    assert not counts.any(), "each tile's last program zeroes its count for the next launch"
+    again = decode_attention(q, keys, values, starts, end, dim**-0.5, block_s=32, splits=splits, scratch=scratch)
+    assert torch.equal(again, got), "the splits meet in split order, whichever finishes first"
+    unsplit = decode_attention(q, keys, values, starts, end, dim**-0.5, block_s=32, splits=splits)
+    assert_close(unsplit.float(), got.float(), kind, name="without a scratch: one program per row and kv head")
+
+
+def test_context_splits_fill_the_gpu_with_runs_of_at_least_a_tile():
+    cpu = torch.device("cpu")  # the interpreter takes an H100's 132 SMs
+    assert context_splits(8, 2, 1536, cpu) == 8  # W3: 8 rows of a 2-kv-head model, 1,024 new tokens past the prompt
+    assert context_splits(8, 2, 512, cpu) == 4  # a short cache: runs of at least 128 columns
+    assert context_splits(16, 2, 4096, cpu) == 4  # within one program per SM
+    assert context_splits(64, 2, 512, cpu) == 1  # 128 programs fill the GPU already (W2 at 64 rows)
+    assert context_splits(1, 1, 1 << 20, cpu) == 32  # at most MAX_SPLITS
+
+
 @pytest.mark.parametrize("dtype, kind", [(torch.float32, "fp32_sum"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("via_table", [False, True])
-def test_attention_kernel_with_a_prefix_matches_sdpa_over_the_gathered_rows(dtype, kind, via_table):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_kernel_with_a_prefix_matches_sdpa_over_the_gathered_rows(dtype, kind, via_table, splits):
     g = torch.Generator(device=KERNEL_DEVICE).manual_seed(5)
     batch, heads, kv_heads, dim, prefix_len, own = 6, 4, 2, 32, 64, 40
     cache = StaticKVCache(2, batch, kv_heads, own, dim, dtype, KERNEL_DEVICE, prefix_rows=3, prefix_len=prefix_len)
@@ -88,9 +127,11 @@ def test_attention_kernel_with_a_prefix_matches_sdpa_over_the_gathered_rows(dtyp
         table = torch.tensor(table_entries(cache, anchor), device=KERNEL_DEVICE)
         prefix = prefix._replace(table=torch.tensor(table_entries(cache, anchor, prefix=True), device=KERNEL_DEVICE))
         got = decode_attention(q, torch.empty_like(cache.keys[0]), torch.empty_like(cache.keys[0]), starts, end,
-                               dim**-0.5, 1, table, anchor, block_s=32, prefix=prefix)  # fmt: skip
+                               dim**-0.5, 1, table, anchor, block_s=32, prefix=prefix, splits=splits,
+                               scratch=SplitScratch())  # fmt: skip
     else:
-        got = decode_attention(q, cache.keys[1], cache.values[1], starts, end, dim**-0.5, block_s=32, prefix=prefix)
+        got = decode_attention(q, cache.keys[1], cache.values[1], starts, end, dim**-0.5, block_s=32, prefix=prefix,
+                               splits=splits, scratch=SplitScratch())  # fmt: skip
     assert_close(got.float(), expected.float(), kind, name="attention over the prefix and the rows' own columns")
     with pytest.raises(ValueError, match="multiple of block_s"):
         decode_attention(q, cache.keys[1], cache.values[1], starts, end, dim**-0.5, block_s=128, prefix=prefix)

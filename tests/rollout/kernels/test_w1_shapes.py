@@ -7,7 +7,8 @@ modules here, tests/rollout/test_fused_ops.py); these take the real tile counts,
   ordinary and the deterministic path, by the check bench/tune_decode.py gates every tuned setting with (largest error
   under 2% of the largest reference magnitude against the unfused path);
 - decode attention through the cache's address table, with the default launch and the one the runner takes for up
-  to 64 bf16 rows (128 columns, 8 warps), against SDPA with the additive mask;
+  to 64 bf16 rows (128 columns, 8 warps), whole or with each row's columns split over several programs, against SDPA
+  with the additive mask, and the same bits on every launch;
 - grouped LoRA on each projection group of a layer, rank 64, against peft's math;
 - the fused sampler at W1's vocabulary, 8 / 64 / 256 rows, against its plain statement given the same uniforms.
 """
@@ -56,9 +57,10 @@ def test_fused_projections_on_the_shipped_settings_match_the_unfused_path(tuner,
     assert not wrong, f"{path.name}, {rows} rows: relative errors over {tuner.TOLERANCE}: {wrong} (all: {errors})"
 
 
-@pytest.mark.parametrize("rows, block_s, num_warps", [(64, 64, 4), (64, 128, 8), (256, 64, 4)])
-def test_decode_attention_through_the_table_matches_masked_sdpa(rows, block_s, num_warps):
-    from slimrl.rollout.kernels.attention import decode_attention
+@pytest.mark.parametrize("rows, block_s, num_warps, splits", [(64, 64, 4, 1), (64, 128, 8, 1), (256, 64, 4, 1),
+                                                             (8, 128, 8, 4), (64, 128, 8, 3), (8, 64, 4, 7)])
+def test_decode_attention_through_the_table_matches_masked_sdpa(rows, block_s, num_warps, splits):
+    from slimrl.rollout.kernels.attention import SplitScratch, decode_attention
     from slimrl.rollout.kv_cache import StaticKVCache, table_entries
     from tests.rollout.kernels.test_attention import sdpa_reference
 
@@ -70,9 +72,14 @@ def test_decode_attention_through_the_table_matches_masked_sdpa(rows, block_s, n
     table = torch.tensor(table_entries(cache, anchor), device="cuda")
     starts = torch.randint(0, 60, (rows,), generator=g, device="cuda")  # left padding of each row
     end = torch.tensor([400], device="cuda")
-    got = decode_attention(q, keys, values, starts, end, 128**-0.5, 0, table, anchor, block_s, num_warps)
+    scratch = SplitScratch()
+    got = decode_attention(q, keys, values, starts, end, 128**-0.5, 0, table, anchor, block_s, num_warps,
+                           splits=splits, scratch=scratch)  # fmt: skip
     want = sdpa_reference(q, keys, values, starts, 400, 128**-0.5)
-    assert_close(got.float(), want.float(), "bf16", name=f"attention, {rows} rows, block_s {block_s}")
+    assert_close(got.float(), want.float(), "bf16", name=f"attention, {rows} rows, block_s {block_s}, {splits} splits")
+    for _ in range(3):  # the splits meet in split order: the same bits whichever program finishes last
+        assert torch.equal(decode_attention(q, keys, values, starts, end, 128**-0.5, 0, table, anchor, block_s,
+                                            num_warps, splits=splits, scratch=scratch), got)  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [8, 64, 256])

@@ -4,6 +4,10 @@ With left-padded prompts, sequence b's keys are the columns [start_b, end] of it
 end = the column just written, the same for all rows). One program per (sequence, kv head) loads the `group` query
 heads that share the kv head as the rows of one tile, and streams those columns once with an online softmax: no mask
 tensor, no repeat of K/V, and the unused columns past `end` are never read (SDPA reads the whole static row).
+Few rows make few such programs (8 rows of a 2-kv-head model: 16 on 132 SMs), so the live columns may be cut into
+`splits` runs of whole tiles, a program each (flash-decoding): each keeps its own running max, sum and output, and
+the last of a (sequence, kv head)'s programs to finish merges them in split order, so the result does not depend
+on which program finished first (see `context_splits` for how many).
 The reference is `F.scaled_dot_product_attention` with the additive mask (the other branch of
 `model.llama.decode_attention`); the tests compare the two, on CUDA and in Triton's interpreter.
 Import this module only where Triton may be used.
@@ -20,7 +24,10 @@ import triton.language as tl
 from slimrl.rollout.kernels import interpreting
 from slimrl.rollout.kernels.common import enter, round_to
 from slimrl.rollout.kernels.common import options as launch_options
+from slimrl.rollout.kernels.gemm import SplitScratch
 from slimrl.rollout.kv_cache import table_unit
+
+__all__ = ["Prefix", "SplitScratch", "can_run", "context_splits", "decode_attention", "launch_tiles"]
 
 BLOCK_S = 64  # cache columns per step of the loop (default; `decode_attention(block_s=...)`)
 
@@ -64,12 +71,53 @@ def _attend_columns(q, k_base, v_base, stride_ks, lo, hi, shift, m_i, l_i, acc, 
 
 
 @triton.jit
+def _split_columns(start, end, split, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Columns [lo, hi) of `split` of SPLITS shares of [start, end): the tiles of BLOCK_S columns (counted from
+    column 0, as `_attend_columns` reads them) that hold any of them, dealt out in runs of equal length (the last
+    runs may be empty). With SPLITS 1: [start, end)."""
+    first = (start // BLOCK_S) * BLOCK_S
+    run = tl.cdiv(tl.cdiv(end - first, BLOCK_S), SPLITS) * BLOCK_S
+    return tl.maximum(start, first + split * run), tl.minimum(end, first + (split + 1) * run)
+
+
+@triton.jit
+def _merge_splits(acc, m_i, l_i, sp_ptr, cnt_ptr, tile, split, g_ok, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                  D: tl.constexpr):  # fmt: skip
+    """(output sums, softmax sum, whether this program holds them) of one (sequence, kv head) `tile` whose columns
+    SPLITS programs share. Each stores its unnormalised output, running max and sum in its slot of sp (fp32,
+    [tiles, SPLITS, BLOCK_G * D + 2 * BLOCK_G]) and counts itself in cnt[tile] (int32, zero between launches); the
+    last to arrive rescales every slot to the common max and adds them in split order (an empty split's max is -inf:
+    it adds nothing), then zeroes the count for the next launch."""
+    offs_g = tl.arange(0, BLOCK_G)
+    cells = offs_g[:, None] * D + tl.arange(0, D)[None, :]
+    width: tl.constexpr = BLOCK_G * D + 2 * BLOCK_G
+    slots = sp_ptr + tile.to(tl.int64) * (SPLITS * width)
+    tl.store(slots + split * width + cells, acc, mask=g_ok)
+    tl.store(slots + split * width + BLOCK_G * D + offs_g, m_i)
+    tl.store(slots + split * width + BLOCK_G * D + BLOCK_G + offs_g, l_i)
+    tl.debug_barrier()  # every thread's stores are out before the count is released
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    if last:  # .cg: the other SMs' stores, read from L2
+        top = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            top = tl.maximum(top, tl.load(slots + s * width + BLOCK_G * D + offs_g, cache_modifier=".cg"))
+        acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        for s in range(0, SPLITS):  # in split order
+            weight = tl.exp(tl.load(slots + s * width + BLOCK_G * D + offs_g, cache_modifier=".cg") - top)
+            l_i += weight * tl.load(slots + s * width + BLOCK_G * D + BLOCK_G + offs_g, cache_modifier=".cg")
+            acc += weight[:, None] * tl.load(slots + s * width + cells, mask=g_ok, other=0.0, cache_modifier=".cg")
+        tl.store(cnt_ptr + tile, 0)
+    return acc, l_i, last
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, table_ptr, anchor_ptr, layer, scale,
                              stride_kb, stride_kh, stride_ks, pk_ptr, pv_ptr, ptable_ptr, source_ptr, prefix_len,
-                             stride_pb, stride_ph, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                             D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                             stride_pb, stride_ph, sp_ptr, cnt_ptr, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
                              FROM_TABLE: tl.constexpr, UNIT: tl.constexpr, DOT_F32: tl.constexpr,
-                             PREFIX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                             PREFIX: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     if FROM_TABLE:  # the cache's place comes from the device table, so a captured graph outlives the cache
         k_ptr = anchor_ptr + tl.load(table_ptr + 2 * layer) * UNIT
@@ -81,6 +129,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, t
     h = tl.program_id(1)
     start = tl.load(start_ptr + b).to(tl.int32)
     end = tl.load(end_ptr).to(tl.int32) + 1  # exclusive
+    lo, hi = _split_columns(start, end, tl.program_id(2), SPLITS, BLOCK_S)  # this program's share of them
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     g_ok = offs_g[:, None] < GROUP
@@ -93,13 +142,17 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, end_ptr, t
     if PREFIX:  # columns before prefix_len: the prompt's one copy, in prefix row source[b]
         row = tl.load(source_ptr + b)
         m_i, l_i, acc = _attend_columns(q, pk_ptr + row * stride_pb + h * stride_ph,
-                                        pv_ptr + row * stride_pb + h * stride_ph, stride_ks, start,
-                                        tl.minimum(end, prefix_len), 0, m_i, l_i, acc, scale, D, BLOCK_S, PRECISION,
+                                        pv_ptr + row * stride_pb + h * stride_ph, stride_ks, lo,
+                                        tl.minimum(hi, prefix_len), 0, m_i, l_i, acc, scale, D, BLOCK_S, PRECISION,
                                         DOT_F32)  # fmt: skip
         own = prefix_len
     m_i, l_i, acc = _attend_columns(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_kb + h * stride_kh,
-                                    stride_ks, tl.maximum(start, own), end, own, m_i, l_i, acc, scale, D, BLOCK_S,
+                                    stride_ks, tl.maximum(lo, own), hi, own, m_i, l_i, acc, scale, D, BLOCK_S,
                                     PRECISION, DOT_F32)  # fmt: skip
+    if SPLITS > 1:  # only the last of the splits to finish holds the merged sums and stores them
+        acc, l_i, last = _merge_splits(acc, m_i, l_i, sp_ptr, cnt_ptr, b * tl.num_programs(1) + h, tl.program_id(2),
+                                       g_ok, SPLITS, BLOCK_G, D)  # fmt: skip
+        g_ok = (g_ok.to(tl.int32) & last.to(tl.int32)) != 0  # (int32: the interpreter's bool & gives no bool mask)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok)
 
@@ -114,6 +167,22 @@ class Prefix(NamedTuple):
     keys: torch.Tensor
     values: torch.Tensor
     table: torch.Tensor | None = None
+
+
+SPLIT_MIN_COLUMNS = 128  # cache columns a split must have at least (one tile of the widest launch)
+MAX_SPLITS = 32
+FALLBACK_SMS = 132  # an H100's, for the interpreter (so the tests take the splits an H100 would)
+
+
+def context_splits(batch: int, kv_heads: int, columns: int, device: torch.device) -> int:
+    """How many programs share each (sequence, kv head)'s live columns of a cache of `columns`: as many as keep the
+    launch within one program per SM (a launch of 128-column tiles holds a whole SM's shared memory; a second wave
+    costs more than the split saves), each with at least SPLIT_MIN_COLUMNS of the columns, at most MAX_SPLITS; 1
+    when the sequences and kv heads alone fill the SMs. Measured on the H100 with bench/tune_decode.py at W1's
+    shapes (docs/bench/issue34/tune_attention_splits.json): 8 rows of 1,536 columns 15.0 us unsplit, 8.4 in 8
+    splits; 64 rows of 512, 7.3 unsplit, 11.4 in 2 (two waves)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else FALLBACK_SMS
+    return max(1, min(sms // (batch * kv_heads), columns // SPLIT_MIN_COLUMNS, MAX_SPLITS))
 
 
 TILE_BYTES = 32 * 1024  # one K tile's bytes: its K and V tiles, double-buffered, fit an H100's 227 KiB shared memory
@@ -148,6 +217,8 @@ def decode_attention(
     block_s: int = BLOCK_S,
     num_warps: int = 4,
     prefix: Prefix | None = None,
+    splits: int = 1,
+    scratch=None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale) v over each row's columns [starts[b], end].
 
@@ -156,6 +227,8 @@ def decode_attention(
     table[2*layer] and table[2*layer+1] are read instead of keys/values, which then only give the shape.
     With `prefix` (a shared prompt cache, see `kv_cache`): columns c < prefix.length are read from the prefix row
     prefix.source[b], the others at c - prefix.length of keys/values; its table (with `table`) or tensors likewise.
+    splits > 1: that many programs share each row's columns (see the module docstring), their partial sums and
+    counts in `scratch` (a `gemm.SplitScratch`); unsplit without one, or during a capture that finds it too small.
     Returns [B, heads, D].
     """
     batch, heads, dim = q.shape
@@ -173,13 +246,20 @@ def decode_attention(
         source, length, stride_pb, stride_ph = prefix.source, prefix.length, *prefix.keys.stride()[:2]
     else:
         pk, pv, ptable, source, length, stride_pb, stride_ph = q, q, starts, starts, 0, 0, 0
-    _decode_attention_kernel[(batch, kv_heads)](
+    block_g = max(16, triton.next_power_of_2(group))
+    partials, counts, splits = q, q, max(1, splits)
+    if splits > 1:
+        tiles = batch * kv_heads
+        held = None if scratch is None else scratch.take(q.device, tiles * splits * (block_g * dim + 2 * block_g),
+                                                         tiles, purpose="attention")  # fmt: skip
+        partials, counts, splits = (q, q, 1) if held is None else (*held, splits)
+    _decode_attention_kernel[(batch, kv_heads, splits)](
         q, q if from_table else keys, q if from_table else values, out, starts, end, table if from_table else starts,
         anchor if from_table else q, layer, scale, keys.stride(0), keys.stride(1), keys.stride(2), pk, pv, ptable,
-        source, length, stride_pb, stride_ph,
-        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_S=block_s,
+        source, length, stride_pb, stride_ph, partials, counts,
+        HEADS=heads, GROUP=group, BLOCK_G=block_g, D=dim, BLOCK_S=block_s,
         PRECISION=precision, FROM_TABLE=from_table, UNIT=table_unit(q.dtype), DOT_F32=interpreting(),
-        PREFIX=prefix is not None,
+        PREFIX=prefix is not None, SPLITS=splits,
         num_warps=num_warps,
         **launch_options(q.device),
     )  # fmt: skip

@@ -270,6 +270,12 @@ class SplitScratch:
             state = self._states[device] = torch.zeros(4, dtype=torch.int32, device=device)
         return state
 
+    def holds(self, device: torch.device, purpose: str) -> bool:
+        """Whether a launch for `purpose` has taken slots here on `device` ("cuda" matches any CUDA device)."""
+        device = torch.device(device)
+        return any(held == purpose and on.type == device.type and device.index in (None, on.index)
+                   for on, held in self._held)  # fmt: skip
+
     def take(self, device: torch.device, elements: int, tiles: int,
              purpose: str = "split") -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """(fp32 slots of at least `elements`, zeroed int32 counts of at least `tiles`) for one purpose ("split":
