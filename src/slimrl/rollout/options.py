@@ -63,8 +63,9 @@ class EngineOptions:
         new tensor at every step and layer, so a copy per row is kept unless this is True.
     attention_splits: how many programs share each row's live columns in the Triton decode attention (their sums
         merged in a fixed order, so either engine mode keeps its guarantees); None: `kernels.attention.
-        context_splits` picks by the batch, the kv heads and the cache's columns (several at 8 or 64 rows, none
-        where the rows alone fill the GPU); 1: a program per row and kv head.
+        context_splits` picks by the batch, the kv heads and the cache's columns (8 for 8 rows of a 2-kv-head model
+        and 1,024 or more columns, none where the rows and kv heads alone fill the SMs); 1: a program per row and
+        kv head.
     kernel_choices: the fused kernels' launch settings, {group: {row bucket: fused_ops.KernelChoice}}; None loads
         `rollout/tuned/<GPU name>.json` (written by bench/tune_decode.py).
     """
