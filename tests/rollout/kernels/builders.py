@@ -25,10 +25,10 @@ def make_spec(g, out_features, in_features, dtype, adapter_dtype, bias: bool, lo
     return LinearSpec(None, weight, b, loras)
 
 
-def fused_ops(gemm: bool, dtype, head_dim: int = DIM):
+def fused_ops(gemm: bool, dtype, head_dim: int = DIM, ordered: bool = False):
     """A FusedDecode whose every group runs the Triton GEMM (gemm) or cuBLAS + epilogue, in K steps of 32; in a
     decode step (bound to a context with a scratch) each launch computes its own LoRA shrink in chunks of 64 input
-    features (HIDDEN = 96: two, the last one partial)."""
+    features (HIDDEN = 96: two, the last one partial). ordered: the deterministic engine's kernels."""
     from slimrl.rollout.fused_ops import FusedDecode, choices_for
     from slimrl.rollout.kernels.lora import GroupedLoRA
 
@@ -37,8 +37,8 @@ def fused_ops(gemm: bool, dtype, head_dim: int = DIM):
         choice.gemm = gemm
         choice.block_k = 32  # HIDDEN = 96: three K steps, the last one partial for block_k 64
         choice.shrink_k = 64
-    lora = GroupedLoRA(tf32=False)
-    return FusedDecode(HEADS, KV_HEADS, head_dim, lora, tf32=False, choices=choices), lora
+    lora = GroupedLoRA(tf32=False, ordered=ordered)
+    return FusedDecode(HEADS, KV_HEADS, head_dim, lora, tf32=False, ordered=ordered, choices=choices), lora
 
 
 def separate_shrinks(choices: dict) -> dict:

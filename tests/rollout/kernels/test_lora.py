@@ -35,7 +35,7 @@ def make_group(rows, features, rank, widths, out_dtype, adapter_dtype, seed=0):
     return x, items
 
 
-@pytest.mark.parametrize("rows", [1, 64, 300] if CUDA else [1, 37])
+@pytest.mark.parametrize("rows", [1, 64, 300] if CUDA else [1, 37, 300])  # 300: a prefill's 128-row tiles
 @pytest.mark.parametrize(
     "out_dtype, adapter_dtype, tf32, kind",
     [

@@ -94,3 +94,53 @@ def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split
             assert counts.numel() > 0 and not counts.any(), "a tile's arrival count was left non-zero"
         assert not scratch.state(torch.device(DEVICE)).any(), "a launch left its producer counters set"
 
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_lora_b_loaded_before_or_after_the_main_loop_gives_the_same_outputs(monkeypatch, ordered):
+    """Launches over few rows load their lora_B tiles before the base GEMM's loop (`projections.EARLY_B_ROWS`), others
+    after it: where the load happens changes no value. q/k/v with RoPE and the cache write, o, gate/up with down's
+    shrink and down, each launch computing its own LoRA shrink as in a decode step, match the reference both ways,
+    and in the interpreter bit for bit."""
+    from slimrl.rollout.kernels import projections
+
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    rows, width, cache_len, column, dtype = 5, 80, 24, 7, torch.bfloat16
+    x = rand(g, rows, HIDDEN, dtype=dtype)
+    attn = rand(g, rows, HEADS * DIM, dtype=dtype)
+    qkv = [make_spec(g, n * DIM, HIDDEN, dtype, torch.float32, True, True, 0.5 + i)
+           for i, n in enumerate((HEADS, KV_HEADS, KV_HEADS))]  # fmt: skip
+    o = make_spec(g, HIDDEN, HEADS * DIM, dtype, torch.float32, False, True, 0.75)
+    gate, up = (make_spec(g, width, HIDDEN, dtype, torch.float32, True, True, s) for s in (0.5, 1.5))
+    down = make_spec(g, 48, width, dtype, torch.float32, False, True, 0.25)
+    angles = torch.rand(rows, DIM // 2, generator=g, device=DEVICE) * 6.0
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    q_ref, k_ref, _ = project(x, qkv, add_lora_)
+    q_ref, k_ref = qk_norm_rope(q_ref.view(rows, HEADS, DIM), k_ref.view(rows, KV_HEADS, DIM), None, None, cos, sin)
+    (o_ref,) = project(attn, (o,), add_lora_)
+    act_ref = silu_mul(*project(x, (gate, up), add_lora_))
+
+    results = {}
+    for label, early_rows in (("before", rows), ("after", 0)):
+        monkeypatch.setattr(projections, "EARLY_B_ROWS", early_rows)
+        ops, grouped = fused_ops(True, dtype, ordered=ordered)
+        cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
+        anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
+        table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
+        ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, ops.new_scratch()))
+        grouped.begin(rows, 4, RANK, torch.device(DEVICE))
+        query = ops.qkv(0, x, qkv, None, None, cos, sin)
+        o_out = ops.linear(attn, o, "o")
+        act = ops.gate_up(x, gate, up, down)
+        down_out = ops.linear(act, down, "down")
+        assert ops.fuses_shrink("qkv", rows), "the launches should compute their own LoRA shrink, as in a decode step"
+        results[label] = (query, cache.keys[0][:, :, column], o_out, act, down_out)
+        assert_close(query.float(), q_ref.reshape(rows, -1).float(), "bf16", name=f"q, lora_B {label}")
+        assert_close(results[label][1].float(), k_ref.float(), "bf16", name=f"cached k, lora_B {label}")
+        assert_close(o_out.float(), o_ref.float(), "bf16", name=f"o, lora_B {label}")
+        assert_close(act.float(), act_ref.float(), "bf16", name=f"silu(gate) * up, lora_B {label}")
+        (want,) = project(act, (down,), add_lora_)
+        assert_close(down_out.float(), want.float(), "bf16", name=f"down, lora_B {label}")
+    if DEVICE == "cpu":
+        for name, a, b in zip(("q", "k", "o", "act", "down"), results["before"], results["after"], strict=True):
+            assert torch.equal(a, b), f"{name} changed with where lora_B was loaded"

@@ -119,19 +119,34 @@ def base_outputs(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n
 
 
 @triton.jit
+def lora_b_tile(b_ptr, offs_n, n_ok, R, R_PAD: tl.constexpr):
+    """lora_B's rows offs_n [BN, R_PAD] (zero past the rank and past the width), in the adapter's dtype."""
+    offs_r = tl.arange(0, R_PAD)
+    return tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+
+
+@triton.jit
 def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
-              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr,
-              FROM_L2: tl.constexpr = False):  # fmt: skip
+             R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr,
+             FROM_L2: tl.constexpr = False):  # fmt: skip
     """peft's `result + lora_B(lora_A(x)) * scaling`, rounded to the output dtype; lora_A(x) is the shrink
     workspace [G, M, R_PAD] (fp32), lora_B is [N, R]. FROM_L2: the workspace was written during this launch by
     other programs (`produce_shrink`): read it past L1 (.cg)."""
+    b = lora_b_tile(b_ptr, offs_n, n_ok, R, R_PAD)
+    return add_lora_with(y, ws_ptr, group, M, offs_m, m_ok, b, scale, OUT, R_PAD, ROUND_ADAPTER, PRECISION, FROM_L2)
+
+
+@triton.jit
+def add_lora_with(y, ws_ptr, group, M, offs_m, m_ok, b, scale, OUT: tl.constexpr, R_PAD: tl.constexpr,
+                  ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr, FROM_L2: tl.constexpr):  # fmt: skip
+    """`add_lora` with lora_B's tile b [BN, R_PAD] loaded already (`lora_b_tile`): a launch that loads it before its
+    main loop has it in registers when the loop ends, instead of waiting on memory then."""
     offs_r = tl.arange(0, R_PAD)
     ws_ptrs = ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :]
     if FROM_L2:
         xa = tl.load(ws_ptrs, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
     else:
         xa = tl.load(ws_ptrs, mask=m_ok[:, None], other=0.0)
-    b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
     if ROUND_ADAPTER:  # half-precision adapters: each of peft's steps rounds to the adapter dtype
         xa = round_to(xa, b.dtype)
     delta = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION)

@@ -76,8 +76,10 @@ def _mode(rows: int, features: int, group: int, r_pad: int, ordered: bool) -> st
 
 def _tiling(rows: int, r_pad: int, mode: str) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_R) of a shrink over `rows` rows at padded rank r_pad."""
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else (64 if rows <= 256 else 128))
+    # a prefill has rows enough for parallelism: one rank block, so x is read once per adapter, and 128 rows a
+    # program, so each adapter's lora_A is read by half as many programs as at 64 (at 16,384 rows down's shrink
+    # took 106 us against 176 at 64: docs/bench/issue34/explore_prefill_shrink_h200.json)
     block_r = r_pad if rows > 256 and r_pad <= 64 else min(r_pad, 32)
     if mode != "atomic" and rows <= 256:  # a decode step: programs from smaller tiles rather than more K splits
         tile = FIXED_TILE if mode == "fixed" else PAIR_TILE

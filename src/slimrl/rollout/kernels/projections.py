@@ -39,11 +39,12 @@ from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import (
     PRODUCER_K,
     SplitScratch,
-    add_lora,
+    add_lora_with,
     arrive,
     await_producers,
     base_outputs,
     leave,
+    lora_b_tile,
     producer_grid,
     producer_rows,
     split_args,
@@ -51,6 +52,11 @@ from slimrl.rollout.kernels.gemm import (
 from slimrl.rollout.kv_cache import table_unit
 
 __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
+
+# launches over at most this many rows load their lora_B tiles before the main loop (`gemm.add_lora_with`): W2's
+# deterministic 8-row step took 2.126 against 2.184 ms on the H200; at 64 rows it was 0.5% slower, and gate/up at 256
+# rows 20% slower alone (its registers), so larger launches load them after (docs/bench/issue34/early_lora_b_h200.json)
+EARLY_B_ROWS = 16
 
 
 @triton.jit
@@ -61,7 +67,8 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
                  GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, NEXT: tl.constexpr,
                  RN_PAD: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, PM: tl.constexpr,
-                 PK: tl.constexpr, SHRINK_PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 PK: tl.constexpr, SHRINK_PRECISION: tl.constexpr, EARLY_B: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
     OUT = out_ptr.dtype.element_ty
     enter(PDL)
     # the first programs to arrive compute lora_A(x) when FUSED (`gemm.produce_shrink`); c < 0 for them
@@ -74,6 +81,11 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
         lanes = tl.arange(0, BN)
         offs_n = pid_n * COLS + lanes  # a program owns COLS <= BN columns (see `tile_columns`)
         n_ok = (offs_n < N) & (lanes < COLS)
+        if HAS_LORA and EARLY_B:  # lora_B's tiles in flight during the main loop (see `add_lora_with`)
+            b0 = lora_b_tile(lb0_ptr, offs_n, n_ok, R, R_PAD)
+            b1 = b0
+            if PAIR:
+                b1 = lora_b_tile(lb1_ptr, offs_n, n_ok, R, R_PAD)
         y0, y1, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w0_ptr, offs_n, w1_ptr, offs_n, n_ok,
                                      b0_ptr, b1_ptr, y0_ptr, y1_ptr, N, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + pid_n,
                                      c // (ROW_BLOCKS * COL_TILES), BM, BN, BK, PAIR, GEMM, HAS_BIAS, EVEN_K,
@@ -82,11 +94,15 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
         if HAS_LORA:
             if FUSED:
                 await_producers(st_ptr, PRODUCED)
-            y0 = add_lora(y0, ws_ptr, 0, M, offs_m, m_ok, lb0_ptr, offs_n, n_ok, R, s0, OUT, R_PAD, ROUND_ADAPTER,
-                           PRECISION, FUSED)  # fmt: skip
+            if not EARLY_B:
+                b0 = lora_b_tile(lb0_ptr, offs_n, n_ok, R, R_PAD)
+                b1 = b0
+                if PAIR:
+                    b1 = lora_b_tile(lb1_ptr, offs_n, n_ok, R, R_PAD)
+            y0 = add_lora_with(y0, ws_ptr, 0, M, offs_m, m_ok, b0, s0, OUT, R_PAD, ROUND_ADAPTER, PRECISION, FUSED)
             if PAIR:
-                y1 = add_lora(y1, ws_ptr, 1, M, offs_m, m_ok, lb1_ptr, offs_n, n_ok, R, s1, OUT, R_PAD,
-                               ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
+                y1 = add_lora_with(y1, ws_ptr, 1, M, offs_m, m_ok, b1, s1, OUT, R_PAD, ROUND_ADAPTER, PRECISION,
+                                   FUSED)  # fmt: skip
         out = y0
         if PAIR:  # F.silu(gate) * up in eager: silu in fp32 rounded once, then the product rounded
             out = round_to(round_to(y0 / (1.0 + tl.exp(-y0)), OUT) * y1, OUT)
@@ -153,7 +169,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
                 ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr, EVEN_K: tl.constexpr,
                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
                 UNIT: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, PM: tl.constexpr, PK: tl.constexpr,
-                SHRINK_PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                SHRINK_PRECISION: tl.constexpr, EARLY_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
@@ -173,6 +189,9 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         lo = head * D + offs_d  # this head's first and second RoPE halves
         hi = lo + HALF
         all_n = offs_d < HALF
+        if HAS_LORA and EARLY_B:  # lora_B's tiles in flight during the main loop (see `add_lora_with`)
+            b_lo = lora_b_tile(lb_ptr, lo, all_n, R, R_PAD)
+            b_hi = lora_b_tile(lb_ptr, hi, all_n, R, R_PAD)
         y_lo, y_hi, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w_ptr, lo, w_ptr, hi, all_n, b_ptr,
                                         b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + j,
                                         c // (ROW_BLOCKS * COL_TILES), BM, SLICE, BK, True, GEMM, HAS_BIAS, EVEN_K,
@@ -180,10 +199,13 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         if HAS_LORA:
             if FUSED:
                 await_producers(st_ptr, PRODUCED)
-            y_lo = add_lora(y_lo, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, lo, all_n, R, scale, OUT, R_PAD,
-                            ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
-            y_hi = add_lora(y_hi, ws_ptr, kind, M, offs_m, m_ok, lb_ptr, hi, all_n, R, scale, OUT, R_PAD,
-                            ROUND_ADAPTER, PRECISION, FUSED)  # fmt: skip
+            if not EARLY_B:
+                b_lo = lora_b_tile(lb_ptr, lo, all_n, R, R_PAD)
+                b_hi = lora_b_tile(lb_ptr, hi, all_n, R, R_PAD)
+            y_lo = add_lora_with(y_lo, ws_ptr, kind, M, offs_m, m_ok, b_lo, scale, OUT, R_PAD, ROUND_ADAPTER,
+                                 PRECISION, FUSED)  # fmt: skip
+            y_hi = add_lora_with(y_hi, ws_ptr, kind, M, offs_m, m_ok, b_hi, scale, OUT, R_PAD, ROUND_ADAPTER,
+                                 PRECISION, FUSED)  # fmt: skip
         if kind < 2:
             if QK_NORM:  # SLICE is HALF here: one program holds the whole head
                 if kind == 0:
@@ -279,8 +301,8 @@ def qkv_rope_cache(x, weights, biases, outputs, lora, norms, cos, sin, q_out, ta
         float(eps_q), float(eps_k), cos, sin, q_out, table, anchor, layer, column, cache_len, partials, counts,
         *fused["a"], *fused["slots"], fused["state"], rows, features, rank, *tiles, fused["tiles"], fused["chunks"],
         FUSED=fused["FUSED"], PM=fused["PM"], PK=PRODUCER_K, SHRINK_PRECISION=fused["SHRINK_PRECISION"],
-        HQ=heads, HK=kv_heads, D=head_dim, BM=block_m, BK=block_k, R_PAD=r_pad, GEMM=gemm, HAS_BIAS=has_bias,
-        HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter, QK_NORM=norms is not None,
+        EARLY_B=rows <= EARLY_B_ROWS, HQ=heads, HK=kv_heads, D=head_dim, BM=block_m, BK=block_k, R_PAD=r_pad,
+        GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None, ROUND_ADAPTER=round_adapter, QK_NORM=norms is not None,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
         SLICE=slice_cols, UNIT=table_unit(q_out.dtype), SPLIT=split, num_warps=num_warps,
         num_stages=num_stages, **launch_options(x.device),
@@ -340,7 +362,7 @@ def project(x, weights, biases, outputs, lora, out, pair: bool, block_n=32, bloc
         BK=block_k, R_PAD=r_pad, PAIR=pair, SPLIT=split, GEMM=gemm, HAS_BIAS=has_bias, HAS_LORA=lora is not None,
         ROUND_ADAPTER=round_adapter,
         EVEN_K=features % block_k == 0, PRECISION=precision(x.dtype, tf32), DOT_F32=interpreting(),
-        NEXT=next_shrink is not None, RN_PAD=next_pad,
+        NEXT=next_shrink is not None, RN_PAD=next_pad, EARLY_B=rows <= EARLY_B_ROWS,
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device),
     )  # fmt: skip
     return out
