@@ -160,22 +160,22 @@ def _rope(y_lo, y_hi, cos_ptr, sin_ptr, offs_m, m_ok, offs_d, OUT: tl.constexpr,
     return r_lo, r_hi
 
 
+# the first programs to arrive compute lora_A(x) for q, k and v when FUSED (`gemm.produce_shrink`; `arrive` gives
+# them c < 0), the others one output tile each
 @triton.jit
-def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr,
-                ws_ptr, lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, qn_ptr, kn_ptr, eps_q, eps_k, cos_ptr, sin_ptr,
-                q_out_ptr, table_ptr, anchor_ptr, layer, col_ptr, cache_len, sp_ptr, cnt_ptr, laq_ptr, lak_ptr,
-                lav_ptr, psp_ptr, pcnt_ptr, st_ptr, M, K, R, ROW_BLOCKS, COL_TILES, PRODUCED, CHUNKS,
-                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                R_PAD: tl.constexpr, GEMM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr, EVEN_K: tl.constexpr,
-                PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
+def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr, ws_ptr,
+                lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, qn_ptr, kn_ptr, eps_q, eps_k, cos_ptr, sin_ptr, q_out_ptr,
+                table_ptr, anchor_ptr, layer, col_ptr, cache_len, sp_ptr, cnt_ptr, laq_ptr, lak_ptr, lav_ptr, psp_ptr,
+                pcnt_ptr, st_ptr, M, K, R, ROW_BLOCKS, COL_TILES, PRODUCED, CHUNKS, HQ: tl.constexpr, HK: tl.constexpr,
+                D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, GEMM: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ROUND_ADAPTER: tl.constexpr, QK_NORM: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SLICE: tl.constexpr,
                 UNIT: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, PM: tl.constexpr, PK: tl.constexpr,
                 SHRINK_PRECISION: tl.constexpr, EARLY_B: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     OUT = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // SLICE  # programs per head: each owns SLICE columns of both RoPE halves
     enter(PDL)
-    # the first programs to arrive compute lora_A(x) for q, k and v when FUSED (`gemm.produce_shrink`); c < 0 for them
     c = arrive(st_ptr, x_ptr, stride_xm, M, K, laq_ptr, lak_ptr, lav_ptr, ws_ptr, R, psp_ptr, pcnt_ptr, PRODUCED,
                CHUNKS, FUSED, PM, PK, R_PAD, SHRINK_PRECISION)  # fmt: skip
     if c >= 0:  # this program's output tile (row block fastest) and K split
@@ -183,9 +183,8 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         j = (c // ROW_BLOCKS) % COL_TILES
         offs_m = pid_m * BM + tl.arange(0, BM)
         part = j % PARTS
-        kind, head, w_ptr, b_ptr, y_ptr, lb_ptr, scale, width = _qkv_target(
-            j // PARTS, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr, lbq_ptr, lbk_ptr,
-            lbv_ptr, sq, sk, sv, HQ, HK, D)  # fmt: skip
+        kind, head, w_ptr, b_ptr, y_ptr, lb_ptr, scale, width = _qkv_target(j // PARTS, wq_ptr, wk_ptr, wv_ptr,
+            bq_ptr, bk_ptr, bv_ptr, yq_ptr, yk_ptr, yv_ptr, lbq_ptr, lbk_ptr, lbv_ptr, sq, sk, sv, HQ, HK, D)
         offs_d = part * SLICE + tl.arange(0, SLICE)
         lo = head * D + offs_d  # this head's first and second RoPE halves
         hi = lo + HALF
