@@ -54,8 +54,8 @@ from slimrl.rollout.kv_cache import table_unit
 __all__ = ["SplitScratch", "can_run_qkv", "project", "qkv_rope_cache"]
 
 # launches over at most this many rows load their lora_B tiles before the main loop (`gemm.add_lora_with`): W2's
-# deterministic 8-row step took 2.126 against 2.184 ms on the H200, with the same tokens; at 64 rows it was 0.5%
-# slower, and gate/up at 256 rows 20% slower alone (its registers), so larger launches load them after
+# deterministic 8-row step took 2.126 against 2.184 ms on the H200, with the same tokens; at 64 rows it was no faster
+# (medians -0.7% to +0.5%), and gate/up at 256 rows 20% slower alone (its registers), so larger launches load them after
 # (docs/bench/issue34/early_lora_b_and_l2_prefetch_h200.json, early_lora_b_h200.json)
 EARLY_B_ROWS = 16
 
