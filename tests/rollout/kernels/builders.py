@@ -41,6 +41,19 @@ def fused_ops(gemm: bool, dtype, head_dim: int = DIM, ordered: bool = False):
     return FusedDecode(HEADS, KV_HEADS, head_dim, lora, tf32=False, ordered=ordered, choices=choices), lora
 
 
+def bind_step(ops, rows: int, cache_len: int, column: int, dtype, scratch=None):
+    """Bind `ops` to a decode step writing column `column` of a fresh one-layer cache of `rows` rows, read through its
+    address table (as the engine's step does); returns the cache."""
+    from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
+
+    cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
+    anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
+    table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
+    scratch = ops.new_scratch() if scratch is None else scratch
+    ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, scratch))
+    return cache
+
+
 def separate_shrinks(choices: dict) -> dict:
     """choices with every decode launch taking its LoRA shrink from a `lora.shrink_` launch before it
     (`KernelChoice.shrink_k` 0), as before the projections computed their own."""

@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimrl.rollout.kv_cache import StaticKVCache, StepContext, table_entries
 from slimrl.rollout.model.reference import add_lora_, project, qk_norm_rope, silu_mul
-from tests.rollout.kernels.builders import DEVICE, DIM, HEADS, HIDDEN, KV_HEADS, RANK, fused_ops, make_spec, rand
+from tests.rollout.kernels.builders import (
+    DEVICE,
+    DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    RANK,
+    bind_step,
+    fused_ops,
+    make_spec,
+    rand,
+)
 from tests.tolerances import assert_close
 
 
@@ -72,10 +82,7 @@ def test_split_k_launches_match_the_reference_and_leave_the_counts_at_zero(split
         for choice in buckets.values():
             choice.split_k = split_k
     scratch = ops.new_scratch()
-    cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
-    anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
-    table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
-    ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, scratch))
+    cache = bind_step(ops, rows, cache_len, column, dtype, scratch)
     for attempt in range(2):
         grouped.begin(rows, 4, RANK, torch.device(DEVICE))
         query = ops.qkv(0, x, qkv, None, None, cos, sin)
@@ -124,10 +131,7 @@ def test_lora_b_loaded_before_or_after_the_main_loop_gives_the_same_outputs(monk
     for label, early_rows in (("before", rows), ("after", 0)):
         monkeypatch.setattr(projections, "EARLY_B_ROWS", early_rows)
         ops, grouped = fused_ops(True, dtype, ordered=ordered)
-        cache = StaticKVCache(1, rows, KV_HEADS, cache_len, DIM, dtype, DEVICE)
-        anchor = torch.zeros(1, dtype=dtype, device=DEVICE)
-        table = torch.tensor(table_entries(cache, anchor), device=DEVICE)
-        ops.bind(StepContext(table, anchor, torch.tensor([column], device=DEVICE), cache_len, ops.new_scratch()))
+        cache = bind_step(ops, rows, cache_len, column, dtype)
         grouped.begin(rows, 4, RANK, torch.device(DEVICE))
         query = ops.qkv(0, x, qkv, None, None, cos, sin)
         o_out = ops.linear(attn, o, "o")
