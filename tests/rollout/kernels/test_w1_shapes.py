@@ -5,7 +5,8 @@ modules here, tests/rollout/test_fused_ops.py); these take the real tile counts,
 
 - each fused projection group on the GPU's shipped settings (`fused_ops.choices_for`) at 8, 64 and 256 rows, on the
   ordinary and the deterministic path, by the check bench/tune_decode.py gates every tuned setting with (largest error
-  under 2% of the largest reference magnitude against the unfused path);
+  under 2% of the largest reference magnitude against the unfused path), and on the deterministic path the same bits
+  on every launch;
 - decode attention through the cache's address table, with the default launch and the one the runner takes for up
   to 64 bf16 rows (128 columns, 8 warps), whole or with each row's columns split over several programs, against SDPA
   with the additive mask, and the same bits on every launch;
@@ -55,6 +56,25 @@ def test_fused_projections_on_the_shipped_settings_match_the_unfused_path(tuner,
     errors = tuner.group_errors(tuner.W1_LAYER, rows, choices, "cuda", ordered=ordered)
     wrong = {group: round(error, 5) for group, error in errors.items() if not error < tuner.TOLERANCE}
     assert not wrong, f"{path.name}, {rows} rows: relative errors over {tuner.TOLERANCE}: {wrong} (all: {errors})"
+
+
+@pytest.mark.parametrize("rows", [8, 64, 256])
+def test_deterministic_projections_on_the_shipped_settings_give_the_same_bits_every_time(tuner, rows):
+    """Each group's deterministic launch on the GPU's shipped settings (its LoRA shrink computed by its own producers,
+    their K chunks added in chunk order, or by an ordered `shrink_` launch before it; split-K shares added in split
+    order), three times: the programs finish in another order each run, the bits of the outputs (and of q/k/v's cache
+    columns) may not change."""
+    from slimrl.rollout.fused_ops import choices_for
+
+    choices, path = choices_for(torch.device("cuda"))
+    for group in tuner.GROUPS:
+        call = tuner.fused_call(tuner.W1_LAYER, tuner.layer_case(tuner.W1_LAYER, rows, "cuda"), group, choices,
+                                ordered=True)  # fmt: skip
+        with torch.no_grad():
+            runs = [tuple(t.clone() for t in call()) for _ in range(3)]
+        for i, run in enumerate(runs[1:], 1):
+            for first, again in zip(runs[0], run, strict=True):
+                assert torch.equal(first, again), f"{path.name}: {group} at {rows} rows, run {i} gave other bits"
 
 
 @pytest.mark.parametrize("rows, block_s, num_warps, splits", [(64, 64, 4, 1), (64, 128, 8, 1), (256, 64, 4, 1),
