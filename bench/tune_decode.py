@@ -6,8 +6,11 @@ biases as Qwen2's, fp32 LoRA r=64 as peft gives it, TF32 adapters as the engine 
 compared with the unfused reference (`model.reference`: the projections with peft's LoRA math, RoPE, the cache's own
 column write): a candidate whose largest error exceeds TOLERANCE of the largest reference magnitude is WRONG and cannot
 be chosen (one that fails to compile or run is ERR). Checked candidates are timed as CUDA-graph replays
-(`triton.testing.do_bench_cudagraph`); the fastest per group and row bucket replaces that entry of the GPU's current
-settings (`fused_ops.choices_for`), the whole set is checked again at every row count, and only then written with
+(`triton.testing.do_bench_cudagraph`), keeping the current setting's `shrink_k`. On the fastest tiles of each group
+and row bucket, each of SHRINK_CANDIDATES (how the launch gets its LoRA shrink: its own producers over that many K
+columns each, or an ordered `shrink_` launch before it) is checked and timed on the deterministic path, the trainers'
+default. The fastest replaces that entry of the GPU's current settings (`fused_ops.choices_for`), the whole set is
+checked again at every row count, on both paths, and only then written with
 `fused_ops.save_choices` to --choices (default `fused_ops.tuned_path(<GPU name>)`, the file the engine loads at run
 time; on the GPU machine pass a path under $OUT to get it back). The JSON holds every timing and the chosen set.
 
@@ -67,6 +70,9 @@ TUNE_CANDIDATES = {
              (True, 64, 128, 4, 3, 0, 0, 8), (True, 32, 64, 4, 4, 0, 0, 8), (True, 64, 64, 4, 4, 0, 0, 4),
              (True, 64, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 4, 0, 0, 4)],
 }  # fmt: skip
+# K columns per producer of a launch's own LoRA shrink (`KernelChoice.shrink_k`; 0: an ordered `shrink_` launch before
+# it), tried on each group's fastest tiles, timed on the deterministic path (the trainers' default)
+SHRINK_CANDIDATES = (0, 128, 256, 512)
 # (block_s, num_warps, splits: programs sharing a row's columns)
 ATTENTION_CANDIDATES = [(64, 4, 1), (128, 4, 1), (128, 8, 1), (32, 4, 1), *((128, 8, n) for n in (2, 3, 4, 8, 12, 16)),
                         *((64, 4, n) for n in (2, 4, 8, 16, 24))]  # fmt: skip
@@ -261,8 +267,9 @@ def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings
     for rows in row_counts:
         bucket = min(b for b in ROW_BUCKETS if b >= rows)
         for group in (g for g in GROUPS if g in groups):
-            for settings in TUNE_CANDIDATES[group]:
-                choice, choices = candidate(settings), copy.deepcopy(current)
+            for settings in TUNE_CANDIDATES[group]:  # (with the current shrink setting: `tune_shrinks` tunes it)
+                choice = dataclasses.replace(candidate(settings), shrink_k=current[group][bucket].shrink_k)
+                choices = copy.deepcopy(current)
                 choices[group] = {b: choice for b in ROW_BUCKETS}
 
                 def check(rows=rows, group=group, choices=choices):
@@ -272,6 +279,28 @@ def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings
                 if took is not None and took < best.get((group, bucket), (float("inf"),))[0]:
                     best[group, bucket] = (took, choice)
     return best
+
+
+def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, timings: dict) -> dict:
+    """`best` with each (group, bucket)'s shrink setting replaced by the fastest of SHRINK_CANDIDATES on its chosen
+    tiles, checked and timed on the deterministic path; every candidate into `timings`."""
+    from slimrl.rollout.fused_ops import ROW_BUCKETS
+
+    tuned = {}
+    for rows in row_counts:
+        bucket = min(b for b in ROW_BUCKETS if b >= rows)
+        for group in (g for g in GROUPS if (g, bucket) in best):
+            for shrink_k in SHRINK_CANDIDATES:
+                choice, choices = dataclasses.replace(best[group, bucket][1], shrink_k=shrink_k), copy.deepcopy(current)
+                choices[group] = {b: choice for b in ROW_BUCKETS}
+
+                def check(rows=rows, group=group, choices=choices):
+                    return checked_call(layer, rows, group, choices, device, ordered=True)
+
+                took = measure(timings, f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", check)
+                if took is not None and took < tuned.get((group, bucket), (float("inf"),))[0]:
+                    tuned[group, bucket] = (took, choice)
+    return {**best, **tuned}
 
 
 def tune_attention(layer: Layer, row_counts, columns, device, timings: dict) -> dict:
@@ -343,6 +372,7 @@ def main(argv=None) -> Report:
     best, chosen = {}, None
     with recorded(report, "groups"):
         best = tune_groups(layer, args.groups, args.rows, current, device, report["timings_us"])
+        best = tune_shrinks(layer, args.rows, best, current, device, report["timings_us"])
     if "attention" in args.groups:
         with recorded(report, "attention"):
             columns = [layer.cache_len] if args.tiny else args.attention_columns
