@@ -259,23 +259,29 @@ def candidate_key(group: str, rows: int, c) -> str:
             f"_m{c.block_m}_p{c.per_sm}_x{c.split_k}")  # fmt: skip
 
 
+def timed_choice(layer: Layer, rows: int, group: str, choice, current: dict, device, timings: dict, key: str,
+                 ordered: bool = False) -> float | None:
+    """`measure` of `group` on `choice` (in every row bucket), the other groups on `current`."""
+    from slimrl.rollout.fused_ops import ROW_BUCKETS
+
+    choices = copy.deepcopy(current)
+    choices[group] = {b: choice for b in ROW_BUCKETS}
+    return measure(timings, key, lambda: checked_call(layer, rows, group, choices, device, ordered))
+
+
 def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings: dict) -> dict:
-    """{(group, row bucket): (us, KernelChoice)} of the fastest checked candidate; every candidate into `timings`."""
+    """{(group, row bucket): (us, KernelChoice)} of the fastest checked candidate; every candidate into `timings`.
+    Candidates keep the current setting's shrink_k (`tune_shrinks` tunes it)."""
     from slimrl.rollout.fused_ops import ROW_BUCKETS
 
     best = {}
     for rows in row_counts:
         bucket = min(b for b in ROW_BUCKETS if b >= rows)
         for group in (g for g in GROUPS if g in groups):
-            for settings in TUNE_CANDIDATES[group]:  # (with the current shrink setting: `tune_shrinks` tunes it)
+            for settings in TUNE_CANDIDATES[group]:
                 choice = dataclasses.replace(candidate(settings), shrink_k=current[group][bucket].shrink_k)
-                choices = copy.deepcopy(current)
-                choices[group] = {b: choice for b in ROW_BUCKETS}
-
-                def check(rows=rows, group=group, choices=choices):
-                    return checked_call(layer, rows, group, choices, device)
-
-                took = measure(timings, candidate_key(group, rows, choice), check)
+                took = timed_choice(layer, rows, group, choice, current, device, timings,
+                                    candidate_key(group, rows, choice))  # fmt: skip
                 if took is not None and took < best.get((group, bucket), (float("inf"),))[0]:
                     best[group, bucket] = (took, choice)
     return best
@@ -291,13 +297,9 @@ def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, ti
         bucket = min(b for b in ROW_BUCKETS if b >= rows)
         for group in (g for g in GROUPS if (g, bucket) in best):
             for shrink_k in SHRINK_CANDIDATES:
-                choice, choices = dataclasses.replace(best[group, bucket][1], shrink_k=shrink_k), copy.deepcopy(current)
-                choices[group] = {b: choice for b in ROW_BUCKETS}
-
-                def check(rows=rows, group=group, choices=choices):
-                    return checked_call(layer, rows, group, choices, device, ordered=True)
-
-                took = measure(timings, f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", check)
+                choice = dataclasses.replace(best[group, bucket][1], shrink_k=shrink_k)
+                took = timed_choice(layer, rows, group, choice, current, device, timings,
+                                    f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", ordered=True)
                 if took is not None and took < tuned.get((group, bucket), (float("inf"),))[0]:
                     tuned[group, bucket] = (took, choice)
     return {**best, **tuned}

@@ -73,11 +73,10 @@ def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, 
     assert all(e < tuner.TOLERANCE for errors in saved["chosen_check"].values() for e in errors.values())
     # each tuned group's shrink setting, tried on its fastest tiles on the deterministic path, the fastest chosen
     for group in ("o", "down"):
-        tiles = saved["chosen"][f"{group}@16"]
-        key = (f"{group}_B5_{'gemm' if tiles['gemm'] else 'cublas'}_n{tiles['block_n']}_k{tiles['block_k']}"
-               f"_w{tiles['num_warps']}_s{tiles['num_stages']}_m{tiles['block_m']}_p{tiles['per_sm']}_x{tiles['split_k']}")
+        tiles = chosen[group][16]
+        key = tuner.candidate_key(group, 5, tiles)
         shrinks = {k: saved["timings_us"][f"{key}_shrink{k}_ordered"] for k in tuner.SHRINK_CANDIDATES}
         assert all(isinstance(t, float) for t in shrinks.values()), shrinks
-        assert tiles["shrink_k"] == min(shrinks, key=shrinks.get), f"{group}: not the fastest shrink setting"
+        assert tiles.shrink_k == min(shrinks, key=shrinks.get), f"{group}: not the fastest shrink setting"
     assert {"B5", "B5_ordered"} == set(saved["chosen_check"])
 
