@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import shlex
 import sys
@@ -83,11 +84,14 @@ def engine_run(bench: Bench, engine: RolloutEngine, batch: int, runs: int = 3) -
     prompts, new = bench.prompts(batch), bench.args.new_tokens
     start = time.perf_counter()
     engine.generate(prompts, W2_SAMPLING, max_new_tokens=new)
-    timed = []
+    timed, full_collections = [], []
     for _ in range(runs):
+        before = gc.get_stats()[-1]["collections"]
         tick = sync_time()
         out = engine.generate(prompts, W2_SAMPLING, max_new_tokens=new)
         timed.append((sync_time() - tick, out))
+        full_collections.append(gc.get_stats()[-1]["collections"] - before)
+    prefills = [round(o.stats["prefill_s"], 4) for _, o in timed]
     seconds, out = sorted(timed, key=lambda t: t[0])[runs // 2]
     tokens = sum(len(c) for c in out.completion_ids)
     if tokens != batch * new:
@@ -95,6 +99,9 @@ def engine_run(bench: Bench, engine: RolloutEngine, batch: int, runs: int = 3) -
     step_ms = 1000 * out.stats["decode_s"] / max(1, out.stats["decode_steps"])
     return {"tok_s": round(tokens / seconds), "s": round(seconds, 3), "runs_s": [round(t, 3) for t, _ in timed],
             "tokens": tokens, "decode_step_ms": round(step_ms, 3), "stats": common.rounded(out.stats),
+            # each run's prefill, and the garbage collector's full passes during it (the 8-row prefill's time
+            # varies between runs far beyond its compute: docs/benchmarks.md, twentieth session)
+            "prefill_runs_s": prefills, "full_gc_runs": full_collections,
             "kv_cache_GiB": round(engine.sessions.held_bytes() / 2**30, 3),
             "first_call_s": round(time.perf_counter() - start, 1)}  # fmt: skip
 

@@ -34,6 +34,8 @@ def test_tiny_run_records_every_section_that_runs_here(rollout, tmp_path):
     assert saved["workload"] == "W2" and "--tiny" in saved["command"] and "torch" in saved["versions"]
     run = saved["engine"]["B2"]
     assert run["tokens"] == 2 * 8 and run["tok_s"] > 0 and len(run["runs_s"]) == 3  # no EOS: full length
+    assert len(run["prefill_runs_s"]) == 3 and run["stats"]["prefill_s"] in run["prefill_runs_s"]
+    assert len(run["full_gc_runs"]) == 3 and all(n >= 0 for n in run["full_gc_runs"])
     assert run["stats"]["decode_steps"] == 7 and saved["engine_compile_failed"] == []
     assert saved["engine_config"]["layers"] == 2 and "fused_decode" in saved["engine_config"]
     assert set(saved["engine_variants"]) == set(variants)
