@@ -162,9 +162,8 @@ def test_deterministic_engine_with_fused_kernels_decodes_as_generate(monkeypatch
     assert all(o for _, o in shrinks), "a shrink was not ordered"
     prefill_rows = max(r.shape[1] for r, _ in shrinks)  # [G, rows, R]; decode steps run fewer (padded) rows
     decode_shrinks = [r for r, _ in shrinks if r.shape[1] < prefill_rows]
-    rows = len(PROMPTS)
     own = [group for group in ("qkv", "o", "gate_up", "down")
-           if fused and choices[group][min(b for b in choices[group] if b >= rows)].shrink_k > 0]  # fmt: skip
+           if fused and engine.runner.fused.choice(group, len(PROMPTS)).shrink_k > 0]  # fmt: skip
     assert len(decode_shrinks) == steps * layers * (4 - len(own)), f"decode steps' shrink launches (fused: {own})"
 
 
