@@ -193,16 +193,21 @@ def run_two_processes(module: str, args: list[str], port: int, env: dict[str, st
 
 
 def wait_for(ranks, deadline: float) -> str | None:
-    """Waits until both ranks exited 0 (None), one exited otherwise, or the deadline passed (what went wrong)."""
+    """Waits until both ranks exited 0 (None), one exited otherwise, or the deadline passed (what went wrong). A
+    failure names every rank found exited non-zero at that moment: a rank that dies takes down the rank waiting on
+    it in a collective, and both may have exited by the time the wait returns."""
     running = list(ranks)
     while running:
         left = deadline - time.monotonic()
         if left <= 0:
             return f"still running after the timeout: {[p.name for p in running]}"
+        failed = []
         for sentinel in multiprocessing.connection.wait([p.sentinel for p in running], timeout=left):
             process = next(p for p in running if p.sentinel == sentinel)
             process.join()
             running.remove(process)
             if process.exitcode != 0:
-                return f"{process.name} exited with code {process.exitcode}"
+                failed.append(f"{process.name} exited with code {process.exitcode}")
+        if failed:
+            return "; ".join(sorted(failed))
     return None
