@@ -173,7 +173,8 @@ class FusedDecode:
             return ((workspace.view(len(specs), x.shape[0], r_pad), lora_bs, scales),
                     (lora_as, state, self.tf32, shrink_k))  # fmt: skip
         workspace = self.lora.take(lora_kernels.workspace_elements(len(specs), x.shape[0], rank, self.ordered), rank)
-        return (lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered), lora_bs, scales), None
+        shrunk = lora_kernels.shrink_(x, lora_as, workspace, self.tf32, self.ordered, self.lora.slots)
+        return (shrunk, lora_bs, scales), None
 
     def _base(self, x: torch.Tensor, specs, gemm: bool):
         """(weights, biases, outputs) for the kernel: weights for the kernel's own GEMM, else base outputs computed

@@ -39,7 +39,8 @@ class EngineOptions:
     deterministic: the output depends only on the inputs and the seed: the LoRA shrinks' K splits
         (`kernels.lora.shrink_(ordered=True)`; down's too, which the gate/up kernel otherwise accumulates) meet in a
         way whose result does not depend on which GPU program finishes first: at most two shares added into zero by
-        fp32 atomics (a + b = b + a), or, where that leaves too few programs, as fixed-point integers
+        fp32 atomics (a + b = b + a), or, where that leaves too few programs, each share stored in a slot of its own
+        and the slots added in split order (decode steps of 65 to 256 rows) or as fixed-point integers
         (`kernels.common.fixed_add`: each share truncated to a multiple of 2**-32, then int64 atomics), instead of
         fp32 atomics over many shares, whose order varies from run to run and with it the last bits of the logits,
         and so, now and then, a sampled token. The base GEMMs' K splits are always added in split order, and so are

@@ -8,9 +8,11 @@ live from the model:
 - `shrink`: `x · A_iᵀ` for up to three adapters in one launch, split over K into many small programs whose fp32
   partial sums meet by atomic adds in a zeroed workspace [G, M, R] (summation order therefore varies run to run
   in the last bits of fp32), or, `ordered`, so that the result depends only on the inputs: K split in two at most,
-  the two shares added into zero by fp32 atomics (which commute), where small tiles give programs enough; else as
-  fixed-point integers (`common.fixed_add`: each partial truncated to a multiple of 2**-32, then int64 atomics,
-  whose sum is the same in any order), converted to fp32 by the last program of each tile to arrive;
+  the two shares added into zero by fp32 atomics (which commute), where small tiles give programs enough; else, at
+  decode steps of 65 to 256 rows, each split's fp32 partial stored in a slot of its own and the slots added in split
+  order by the last program of each tile to arrive; else as fixed-point integers (`common.fixed_add`: each partial
+  truncated to a multiple of 2**-32, then int64 atomics, whose sum is the same in any order), converted to fp32 by
+  the last program of each tile to arrive;
 - `expand`: per output tile, `(x · A_iᵀ) · B_iᵀ · scale_i`, added in place into the projection's output.
 
 The arithmetic follows peft's `Linear.forward` (input cast to the adapter dtype, `result + lora_B(lora_A(x)) *
@@ -37,6 +39,12 @@ TARGET_PROGRAMS = 512  # shrink programs to aim for (about four per SM of an H10
 # splits (bench/shrink_splits.py: W1's four shrinks at 64 and 256 rows are fastest together with these)
 TARGET_PROGRAMS_FIXED = 256
 FIXED_TILE = (32, 16)
+# over more than 64 and up to 256 rows (the H100's 256-row decode bucket, whose launches do not compute their own
+# shrink), the K splits store their fp32 partial sums in slots of their own (plain stores into an unzeroed scratch,
+# `slot_elements`) and the last of a tile's splits to arrive adds them in split order, in the pair's tiles and program
+# count: W1's deterministic 256-row step took 4.994 against 5.313 ms in fixed point; at 8 rows fixed point stayed
+# faster (2.339 against 2.520), so it keeps the other row counts (docs/bench/issue34/ordered_slots_ab.json)
+SLOT_ROWS = (64, 256)
 # up to this many input features an ordered shrink may split K in two at most and add the two shares by fp32
 # atomics into zero: 0 + a + b and 0 + b + a are the same float (addition commutes), so no fixed point is needed;
 # its programs then come from small tiles, and it does so where those give at least PAIR_MIN_PROGRAMS programs (the
@@ -66,12 +74,20 @@ def can_fuse(x: torch.Tensor, items) -> bool:
 
 
 def _mode(rows: int, features: int, group: int, r_pad: int, ordered: bool) -> str:
-    """How a shrink's K splits meet: "atomic" (fp32, any order), "pair" (at most two, fp32) or "fixed"."""
+    """How a shrink's K splits meet: "atomic" (fp32, any order), "pair" (at most two, fp32), "slots" (in split order)
+    or "fixed" (fixed point)."""
     if not ordered:
         return "atomic"
     block_m, block_r = _tiling(rows, r_pad, "pair")
     programs = triton.cdiv(rows, block_m) * group * (r_pad // block_r) * 2
-    return "pair" if features <= PAIR_MAX_FEATURES and programs >= PAIR_MIN_PROGRAMS else "fixed"
+    if features <= PAIR_MAX_FEATURES and programs >= PAIR_MIN_PROGRAMS:
+        return "pair"
+    return _ordered_sums(rows)
+
+
+def _ordered_sums(rows: int) -> str:
+    """How an ordered shrink over `rows` rows adds more than two K splits: "slots" or "fixed" (see SLOT_ROWS)."""
+    return "slots" if SLOT_ROWS[0] < rows <= SLOT_ROWS[1] else "fixed"
 
 
 def _tiling(rows: int, r_pad: int, mode: str) -> tuple[int, int]:
@@ -96,17 +112,38 @@ def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
     cells = group * rows * r_pad
     if not ordered:
         return cells
-    block_m, block_r = _tiling(rows, r_pad, "fixed")
+    sums = _ordered_sums(rows)
+    block_m, block_r = _tiling(rows, r_pad, sums)
     tiles = triton.cdiv(rows, block_m) * group * (r_pad // block_r)
-    total = 3 * cells + group * rows + tiles
+    total = (3 * cells + group * rows if sums == "fixed" else cells) + tiles
     return total + total % 2
+
+
+def _splits(features: int, programs_per_split: int, target: int) -> int:
+    """K splits of a shrink: until there are about `target` programs (a decode step has few rows, so K is the
+    parallel dimension), in whole K steps of 64."""
+    splits = max(1, min(triton.cdiv(features, 64), triton.cdiv(target, programs_per_split)))
+    return triton.cdiv(features, triton.cdiv(triton.cdiv(features, splits), 64) * 64)
+
+
+def slot_elements(rows: int, rank: int) -> int:
+    """fp32 elements of the slot scratch any ordered shrink over `rows` rows may need: its K splits' partial sums
+    (none where its splits meet otherwise). Unzeroed: every slot a launch reads it has written first, so one scratch
+    serves every shrink of a forward, one launch after another."""
+    if _ordered_sums(rows) != "slots":
+        return 0
+    r_pad = padded_rank(rank)
+    block_m, block_r = _tiling(rows, r_pad, "slots")
+    tiles = [triton.cdiv(rows, block_m) * group * (r_pad // block_r) for group in range(1, MAX_GROUP + 1)]
+    return max(t * _splits(1 << 30, t, TARGET_PROGRAMS) * block_m * block_r for t in tiles)
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sum_ptr, pz_ptr, cnt_ptr, M, K, R, stride_xm, k_per_split,
                    limit,
                    R_BLOCKS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FIXED: tl.constexpr, SLOTS: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
     enter(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1) // R_BLOCKS
@@ -136,6 +173,18 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sum_ptr, pz_ptr, cnt_p
         tile = pid_m * tl.num_programs(1) + tl.program_id(1)
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
             tl.store(ws_ptr + cells, fixed_load(sum_ptr + cells, poison, offs_m < M, m_ok), mask=m_ok)
+            tl.store(cnt_ptr + tile, 0)
+    elif SLOTS:  # each split's partial in a slot of its own; the tile's last split to arrive adds them in order
+        tile = pid_m * tl.num_programs(1) + tl.program_id(1)
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+        slots = sum_ptr + (tile * tl.num_programs(2)).to(tl.int64) * (BLOCK_M * BLOCK_R) + local
+        tl.store(slots + split * (BLOCK_M * BLOCK_R), acc)
+        tl.debug_barrier()  # every thread's partial sums are out before the count is released
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s in range(0, tl.num_programs(2)):  # in split order; .cg reads the other SMs' stores from L2
+                total += tl.load(slots + s * (BLOCK_M * BLOCK_R), cache_modifier=".cg")
+            tl.store(ws_ptr + cells, total, mask=m_ok)
             tl.store(cnt_ptr + tile, 0)
     else:  # by fp32 atomics in the zeroed workspace, in whatever order the programs finish
         tl.atomic_add(ws_ptr + cells, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
@@ -198,16 +247,19 @@ def padded_rank(rank: int) -> int:
 
 
 def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf32: bool = True,
-            ordered: bool = False) -> torch.Tensor:  # fmt: skip
+            ordered: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """lora_A(x) for up to three adapters at once: returns the fp32 [G, M, R_PAD] holding x · A_iᵀ (zero past the
     rank). workspace: a flat zeroed fp32 tensor of at least `workspace_elements(G, M, r, ordered)` elements, or
-    None. The launch takes no host sync.
+    None. slots: unzeroed fp32 scratch of at least `slot_elements(M, r)` elements for an ordered shrink's split
+    sums, or None (made here when needed). The launch takes no host sync.
 
     ordered: the result depends only on the inputs. Up to PAIR_MAX_FEATURES input features and with rows enough
     (PAIR_MIN_PROGRAMS), K is split in two at most and the shares meet by fp32 atomics into zero (two terms add
-    the same in either order). Otherwise the K splits' partial sums meet as fixed point (`common.fixed_add`): the
-    result is the exact sum of the partials truncated to multiples of 2**-32, rounded once to fp32, and NaN in a
-    row where a partial was not finite or too large to hold (`common.fixed_limit`)."""
+    the same in either order). Otherwise, over SLOT_ROWS, each K split stores its fp32 partial sums in a slot of its
+    own and the last split of a tile to arrive adds them in split order (fp32, from zero: NaN and infinities carry
+    as in any float sum); else the partial sums meet as fixed point (`common.fixed_add`): the result is the exact
+    sum of the partials truncated to multiples of 2**-32, rounded once to fp32, and NaN in a row where a partial was
+    not finite or too large to hold (`common.fixed_limit`)."""
     rows, features = x.shape
     group = len(lora_as)
     rank = lora_as[0].shape[0]
@@ -217,34 +269,39 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     cells = group * rows * r_pad
     values = workspace[:cells]
     mode = _mode(rows, features, group, r_pad, ordered)
-    sums = poison = counts = values  # placeholders for the pointers an atomic launch does not use
-    if mode == "fixed":
-        sums = workspace[cells : 3 * cells].view(torch.int64)
-        poison = workspace[3 * cells : 3 * cells + group * rows]
-        counts = workspace[3 * cells + group * rows :].view(torch.int32)
     precision = "tf32" if tf32 else "ieee"
     block_m, block_r = _tiling(rows, r_pad, mode)
     r_blocks = r_pad // block_r
     block_k = 64
     m_tiles = triton.cdiv(rows, block_m)
-    # split K until there are a few programs per SM: a decode step has few rows, so K is the parallel dimension
     target = TARGET_PROGRAMS_FIXED if mode == "fixed" else TARGET_PROGRAMS
-    splits = max(1, min(triton.cdiv(features, block_k), triton.cdiv(target, m_tiles * group * r_blocks)))
-    if mode == "pair":
-        splits = min(splits, 2)
+    splits = _splits(features, m_tiles * group * r_blocks, target)
+    if mode == "pair" and splits > 2:
+        splits = _splits(features, 1, 2)
     k_per_split = triton.cdiv(triton.cdiv(features, splits), block_k) * block_k
     splits = triton.cdiv(features, k_per_split)
+    if mode == "slots" and splits <= 2:  # two shares at most: added into zero by fp32 atomics, in either order
+        mode = "pair"
+    sums = poison = counts = values  # placeholders for the pointers an atomic launch does not use
+    if mode == "fixed":
+        sums = workspace[cells : 3 * cells].view(torch.int64)
+        poison = workspace[3 * cells : 3 * cells + group * rows]
+        counts = workspace[3 * cells + group * rows :].view(torch.int32)
+    elif mode == "slots":
+        counts = workspace[cells:].view(torch.int32)
+        needed = m_tiles * group * r_blocks * splits * block_m * block_r
+        sums = slots if slots is not None and slots.numel() >= needed else torch.empty(needed, device=x.device)
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, values, sums, poison, counts, rows, features, rank, x.stride(0), k_per_split, fixed_limit(splits),
         R_BLOCKS=r_blocks, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-        FIXED=mode == "fixed", **launch_options(x.device),
+        FIXED=mode == "fixed", SLOTS=mode == "slots", **launch_options(x.device),
     )  # fmt: skip
     return values.view(group, rows, r_pad)
 
 
 def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tensor | None = None,
-                ordered: bool = False) -> None:  # fmt: skip
+                ordered: bool = False, slots: torch.Tensor | None = None) -> None:  # fmt: skip
     """In place: y_i += B_i(A_i(x)) * scale_i for each (y_i, (A_i, B_i, scale_i)) in items (see `can_fuse`).
 
     x [M, K]; y_i [M, n_i] contiguous. workspace: flat zeroed fp32 of at least `workspace_elements` (allocated here
@@ -258,7 +315,7 @@ def lora_group_(x: torch.Tensor, items, tf32: bool = True, workspace: torch.Tens
     scales = [float(s) for _, (_, _, s) in items]
     rank = lora_bs[0].shape[1]
     r_pad = padded_rank(rank)
-    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered=ordered)
+    workspace = shrink_(x, [a for _, (a, _, _) in items], workspace, tf32, ordered, slots)
     precision = "tf32" if tf32 else "ieee"
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = triton.cdiv(rows, block_m)
@@ -290,6 +347,7 @@ class GroupedLoRA:
         self.tf32 = tf32
         self.ordered = ordered
         self._workspace = None
+        self._slots = None
         self._offset = 0
         self._r_pad = 0
 
@@ -297,10 +355,17 @@ class GroupedLoRA:
         self._r_pad = padded_rank(max(rank, 1))
         size = calls * workspace_elements(MAX_GROUP, rows, self._r_pad, self.ordered)
         self._offset = 0
+        slot_size = slot_elements(rows, self._r_pad) if self.ordered else 0
+        self._slots = torch.empty(slot_size, dtype=torch.float32, device=device) if slot_size else None
         if size * 4 > WORKSPACE_BYTES:  # a long prefill: per-call buffers are smaller
             self._workspace = None
             return
         self._workspace = torch.zeros(size, dtype=torch.float32, device=device)
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """The forward's slot scratch (`slot_elements` at its rows), or None: `shrink_` then makes its own."""
+        return self._slots
 
     def take(self, elements: int, rank: int) -> torch.Tensor | None:
         """The next `elements` of the zeroed per-forward workspace, or None when it has no room (or another rank)."""
@@ -320,4 +385,4 @@ class GroupedLoRA:
                 continue
             rank = chunk[0][1][0].shape[0]
             workspace = self.take(workspace_elements(len(chunk), x.shape[0], rank, self.ordered), rank)
-            lora_group_(x, chunk, self.tf32, workspace, ordered=self.ordered)
+            lora_group_(x, chunk, self.tf32, workspace, self.ordered, self._slots)

@@ -1,11 +1,12 @@
-"""The deterministic LoRA shrink (`lora.shrink_(ordered=True)`), its two ways.
+"""The deterministic LoRA shrink (`lora.shrink_(ordered=True)`), its three ways.
 
 Up to `PAIR_MAX_FEATURES` input features, where the small tiles give `PAIR_MIN_PROGRAMS` programs, K is split in
 two at most and the two fp32 shares meet by atomics in the zeroed workspace: 0 + a + b and 0 + b + a are the same
-float. Beyond, K is split over several programs whose fp32
-partial sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each tile
-to arrive converts the sum to fp32. The fixed-point tests force that way at narrower shapes (PAIR_MAX_FEATURES 0)
-and run it once at its own width.
+float. Beyond, K is split over several programs. Over `SLOT_ROWS` rows each stores its fp32 partial sums in a slot
+of its own and the last program of each tile to arrive adds the slots in split order, from zero. At other row counts
+the partial sums meet as fixed-point integers (`common.fixed_add`), not by fp32 atomics; the last program of each
+tile to arrive converts the sum to fp32. The tests force each way at narrower shapes (PAIR_MAX_FEATURES 0, SLOT_ROWS
+widened or emptied) and run the fixed point once at its own width.
 
 The fixed-point arithmetic, stated: with n K splits (whole steps of 64 input features, the last one partial) whose
 fp32 sums are p0 ... p[n-1], each is truncated to a multiple of 2**-32 (`trunc(p * 2**32)`, an int64), the
@@ -43,16 +44,17 @@ CASES = [
 ]
 
 
-def recorded_launches(monkeypatch, with_rows: bool = False) -> list:
+def recorded_launches(monkeypatch, with_rows: bool = False, slots: bool = False) -> list:
     """(grid, FIXED, input features per K split) of every `_shrink_kernel` launch from now on; with_rows: and the
-    rows of its input."""
+    rows of its input; slots: (grid, SLOTS, input features per K split)."""
     launches = []
     real = lora_kernels._shrink_kernel
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((tuple(grid), kwargs["FIXED"], args[12]) + ((args[0].shape[0],) if with_rows else ()))
+                way = kwargs["SLOTS" if slots else "FIXED"]
+                launches.append((tuple(grid), way, args[12]) + ((args[0].shape[0],) if with_rows else ()))
                 return real[grid](*args, **kwargs)
 
             return launch
@@ -69,14 +71,14 @@ def make_inputs(rows, features, rank, x_dtype, a_dtype, adapters, device=KERNEL_
     return x, lora_as
 
 
-def split_partials(x, lora_as, per_split: int) -> list[torch.Tensor]:
+def split_partials(x, lora_as, per_split: int, way: str = "fixed") -> list[torch.Tensor]:
     """Each K split's fp32 partial sums [G, M, R_PAD], from an unsplit atomic launch over that split's input features
-    alone, in the fixed-point launch's tiles (the same products, in the same K steps and tile shapes, as the split
+    alone, in the tiles of the `way` launch (the same products, in the same K steps and tile shapes, as the split
     program's; added once to zero, so exact)."""
     tiling = lora_kernels._tiling
     parts = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, "fixed"))
+        patch.setattr(lora_kernels, "_tiling", lambda rows, r_pad, mode: tiling(rows, r_pad, way))
         patch.setattr(lora_kernels, "TARGET_PROGRAMS", 1)  # one program per tile: no atomics' order on a GPU
         for lo in range(0, x.shape[1], per_split):
             lora_slices = [a[:, lo : lo + per_split].contiguous() for a in lora_as]
@@ -97,6 +99,7 @@ def test_fixed_point_shrink_is_the_exact_sum_of_its_truncated_splits(monkeypatch
     against the per-split partials summed as the docstring states; twice, the same bits; the arrival counts are
     back at zero after the launch."""
     monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
+    monkeypatch.setattr(lora_kernels, "SLOT_ROWS", (0, 0))
     x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
     launches = recorded_launches(monkeypatch)
     workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, rank, True), device=KERNEL_DEVICE)
@@ -122,7 +125,7 @@ def test_fixed_point_shrink_at_its_own_width(monkeypatch):
     """Down's shrink at an intermediate of 2,100 features (past PAIR_MAX_FEATURES): fixed point without forcing,
     its K split, the stated sum bit for bit."""
     x, lora_as = make_inputs(3, 2100, 16, BF16, F32, 1)
-    assert x.shape[1] > lora_kernels.PAIR_MAX_FEATURES
+    assert x.shape[1] > lora_kernels.PAIR_MAX_FEATURES and not lora_kernels.SLOT_ROWS[0] < 3
     launches = recorded_launches(monkeypatch)
     got = shrink_(x, lora_as, tf32=False, ordered=True)
     ((grid, fixed, per_split),) = launches
@@ -160,13 +163,15 @@ def test_pair_shrink_adds_at_most_two_shares_in_either_order(monkeypatch):
         assert_close(got[..., :64], expected, "fp32_sum", name="pair shrink")
 
 
-def test_ordered_shrinks_pick_their_way_by_width_and_programs():
-    """W1's shapes as shipped: q/k/v (1,536 features, three adapters, rank 64) in fixed point at 64 rows (48 pair
-    programs) and as a pair at 256 (192); down's 8,960 features in fixed point at both; atomic when not ordered."""
+def test_ordered_shrinks_pick_their_way_by_width_rows_and_programs():
+    """W1's shapes as shipped: q/k/v (1,536 features, three adapters, rank 64) in fixed point at 8 and 64 rows (48
+    pair programs at 64) and as a pair at 256 (192); o's (one adapter: 64 pair programs) and down's 8,960 features
+    in fixed point at 8 and 64 rows and in slots at 256; atomic when not ordered."""
     modes = {(rows, features, group): lora_kernels._mode(rows, features, group, 64, True)
-             for rows in (64, 256) for features, group in ((1536, 3), (8960, 1))}  # fmt: skip
-    assert modes == {(64, 1536, 3): "fixed", (256, 1536, 3): "pair", (64, 8960, 1): "fixed",
-                     (256, 8960, 1): "fixed"}  # fmt: skip
+             for rows in (8, 64, 256) for features, group in ((1536, 3), (1536, 1), (8960, 1))}  # fmt: skip
+    assert modes == {(8, 1536, 3): "fixed", (8, 1536, 1): "fixed", (8, 8960, 1): "fixed",
+                     (64, 1536, 3): "fixed", (64, 1536, 1): "fixed", (64, 8960, 1): "fixed",
+                     (256, 1536, 3): "pair", (256, 1536, 1): "slots", (256, 8960, 1): "slots"}  # fmt: skip
     assert lora_kernels._mode(256, 1536, 3, 64, False) == "atomic"
 
 
@@ -176,6 +181,7 @@ def test_fixed_point_shrink_poisons_rows_it_cannot_hold(monkeypatch):
     the other rows are the exact fixed-point sums; the expand (`lora_group_`) carries the NaN into those rows of
     the outputs only."""
     monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
+    monkeypatch.setattr(lora_kernels, "SLOT_ROWS", (0, 0))
     x, lora_as = make_inputs(7, 300, 8, F32, F32, 2)
     x[1, 10], x[3, 200], x[5, 0] = float("nan"), float("inf"), 1e20
     values = shrink_(x, lora_as, tf32=False, ordered=True)
@@ -205,6 +211,7 @@ def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
     """Two 64-row tiles (three 32-row tiles in fixed point), three adapters, 6 splits, the last of 10 features: the
     atomic path and the fixed-point one give the same sums up to fp32 summation order."""
     monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
+    monkeypatch.setattr(lora_kernels, "SLOT_ROWS", (0, 0))
     x, lora_as = make_inputs(70, 330, 8, F32, F32, 3)
     launches = recorded_launches(monkeypatch)
     atomic = shrink_(x, lora_as, tf32=False)
@@ -215,8 +222,8 @@ def test_fixed_point_and_atomic_shrinks_agree(monkeypatch):
 
 def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch):
     """The engine with fused_decode and deterministic on decodes greedily as transformers' generate in fp32, with its
-    shrinks forced to fixed point (hidden 192: three splits), and again as pairs (two splits, fp32); the decode
-    launches take their shrinks from `shrink_` launches here (`KernelChoice.shrink_k` 0)."""
+    shrinks forced to fixed point (hidden 192: three splits), as slots (three splits) and as pairs (two splits,
+    fp32); the decode launches take their shrinks from `shrink_` launches here (`KernelChoice.shrink_k` 0)."""
     from slimrl.rollout.engine import RolloutEngine
     from slimrl.rollout.fused_ops import choices_for
     from slimrl.rollout.planning import bucket
@@ -229,10 +236,16 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
     expected = hf_greedy(model, PROMPTS, tokens, eos_token_id=None)
     model = model.to(KERNEL_DEVICE)
     steps, layers = tokens - 1, 2
-    for pair_max, want in ((0, (3, True)), (lora_kernels.PAIR_MAX_FEATURES, (2, False))):
+    ways = (
+        (0, (0, 0), False, (3, True)),
+        (0, (0, 1 << 30), True, (3, True)),
+        (lora_kernels.PAIR_MAX_FEATURES, (0, 0), False, (2, False)),
+    )  # (the flag: FIXED, SLOTS, FIXED)
+    for pair_max, slot_rows, slots, want in ways:
         monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", pair_max)
         monkeypatch.setattr(lora_kernels, "PAIR_MIN_PROGRAMS", 0)  # (a few rows here)
-        launches = recorded_launches(monkeypatch, with_rows=True)
+        monkeypatch.setattr(lora_kernels, "SLOT_ROWS", slot_rows)
+        launches = recorded_launches(monkeypatch, with_rows=True, slots=slots)
         choices = separate_shrinks(choices_for(torch.device(KERNEL_DEVICE))[0])
         engine = RolloutEngine(model, max_seq_len=64, triton_lora=True, triton_attention=True, fused_decode=True,
                                deterministic=True, cuda_graphs=False, compile=False,
@@ -248,10 +261,13 @@ def test_deterministic_engine_with_split_shrinks_decodes_as_generate(monkeypatch
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows, features, adapters, launch", [(64, 1536, 3, ((2, 12, 8), True)),
                                                               (256, 1536, 3, ((16, 6, 2), False)),
-                                                              (64, 8960, 1, ((2, 4, 28), True))])  # fmt: skip
+                                                              (64, 8960, 1, ((2, 4, 28), True)),
+                                                              (256, 1536, 1, ((16, 2, 12), False)),
+                                                              (256, 8960, 1, ((16, 2, 16), False))])  # fmt: skip
 def test_ordered_shrink_at_w1_shapes_gives_the_same_bits_every_time(monkeypatch, rows, features, adapters, launch):
     """W1's q/k/v shrink (1536 features; at 64 rows fixed point in 8 K splits, at 256 two splits added by fp32
-    atomics) and down's (8960 features: fixed point, 28 splits), rank 64, bf16 x, fp32 A, TF32 products as shipped.
+    atomics), o's at 256 rows (slots, 12 splits) and down's (8960 features: fixed point in 28 splits at 64 rows,
+    slots in 16 at 256), rank 64, bf16 x, fp32 A, TF32 products as shipped.
     On a GPU the programs finish in another order each run; the bits may not change, eagerly or replayed from a
     CUDA graph. Also against x · Aᵀ."""
     x, lora_as = make_inputs(rows, features, 64, BF16, F32, adapters, device="cuda")
@@ -272,3 +288,76 @@ def test_ordered_shrink_at_w1_shapes_gives_the_same_bits_every_time(monkeypatch,
     expected = torch.stack([x.float() @ a.t() for a in lora_as])
     error = float((runs[0][..., :64] - expected).abs().max() / expected.abs().max())
     assert error < 1e-2, f"the shrink is off by {error:.3g} of its largest magnitude (TF32 products)"
+
+
+def in_split_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The slots' stated arithmetic: fp32 sums from zero, split 0 first."""
+    total = torch.zeros_like(parts[0])
+    for part in parts:
+        total = total + part
+    return total
+
+
+@pytest.mark.parametrize("rows, features, rank, x_dtype, a_dtype, adapters", CASES)
+def test_slot_shrink_adds_its_splits_in_split_order(monkeypatch, rows, features, rank, x_dtype, a_dtype, adapters):
+    """Slots forced at every row count: against peft's math within fp32 summation noise; bit for bit the per-split
+    partials added in split order from zero; twice, the same bits; the arrival counts back at zero; with the slot
+    scratch given (`slot_elements`, unzeroed: filled with garbage first) and made by the launch. Where the program
+    count leaves two splits at most, the launch is a pair (fp32 atomics into zero) instead."""
+    monkeypatch.setattr(lora_kernels, "PAIR_MAX_FEATURES", 0)
+    monkeypatch.setattr(lora_kernels, "SLOT_ROWS", (0, 1 << 30))
+    x, lora_as = make_inputs(rows, features, rank, x_dtype, a_dtype, adapters)
+    launches = recorded_launches(monkeypatch, slots=True)
+    workspace = torch.zeros(lora_kernels.workspace_elements(adapters, rows, rank, True), device=KERNEL_DEVICE)
+    scratch = torch.full((lora_kernels.slot_elements(rows, rank),), float("nan"), device=KERNEL_DEVICE)
+    first = shrink_(x, lora_as, workspace, tf32=False, ordered=True, slots=scratch).clone()
+    again = shrink_(x, lora_as, tf32=False, ordered=True)
+    (grid, slotted, per_split), again_launch = launches
+    monkeypatch.undo()
+    assert again_launch == launches[0] and grid[2] == -(-features // per_split)
+    assert slotted == (grid[2] > 2), "more than two splits meet in slots, two at most as a pair"
+    assert torch.equal(first, again), "the same inputs gave other bits"
+    cells = adapters * rows * padded_rank(rank)
+    assert not workspace[cells:].any(), "an arrival count was left set"
+    expected = torch.stack([x.to(a.dtype).float() @ a.float().t() for a in lora_as])
+    assert_close(first[..., :rank], expected, "fp32_sum", name="slot shrink")
+    assert not first[..., rank:].any(), "the shrink past the rank must be zero"
+    if slotted:
+        parts = split_partials(x, lora_as, per_split, "slots")
+        assert torch.equal(first, in_split_order(parts)), "not the partials added in split order"
+
+
+def test_slot_shrink_carries_nan_and_infinity_as_a_float_sum(monkeypatch):
+    """A NaN and an infinity in two rows of x, through the slots (nine splits): the first row reads NaN everywhere,
+    the second ±infinity as the float sum x · Aᵀ gives it (one infinite product per column), and the other rows are
+    as from the clean input."""
+    monkeypatch.setattr(lora_kernels, "SLOT_ROWS", (0, 1 << 30))
+    x, lora_as = make_inputs(5, 540, 8, F32, F32, 2)
+    launches = recorded_launches(monkeypatch, slots=True)
+    x[1, 10], x[3, 200] = float("nan"), float("inf")
+    values = shrink_(x, lora_as, tf32=False, ordered=True)
+    assert launches[-1][1] and launches[-1][0][2] > 2, "the slots did not run"
+    bad = torch.tensor([False, True, False, True, False])
+    assert torch.isnan(values[:, 1]).all() and torch.isfinite(values[:, ~bad]).all()
+    expected = torch.stack([x[3:4] @ a.t() for a in lora_as])[:, 0]
+    assert torch.isinf(expected).all() and torch.equal(values[:, 3, :8], expected)
+    clean = x.clone()
+    clean[bad] = 0.0
+    assert torch.equal(values[:, ~bad], shrink_(clean, lora_as, tf32=False, ordered=True)[:, ~bad])
+
+
+def test_slot_scratch_holds_every_ordered_shrink_of_its_rows():
+    """`slot_elements(rows, rank)` is at least what any slot launch over those rows needs, whatever the width and
+    adapter count (GroupedLoRA makes one per forward; none outside SLOT_ROWS)."""
+    low, high = lora_kernels.SLOT_ROWS
+    assert lora_kernels.slot_elements(low, 64) == 0 and lora_kernels.slot_elements(high + 1, 64) == 0
+    for rows in (low + 1, 100, high):
+        for rank in (8, 64, 128):
+            r_pad = padded_rank(rank)
+            block_m, block_r = lora_kernels._tiling(rows, r_pad, "slots")
+            for group in (1, 2, 3):
+                for features in (64, 1536, 8960, 100_000):
+                    tiles = -(-rows // block_m) * group * (r_pad // block_r)
+                    splits = lora_kernels._splits(features, tiles, lora_kernels.TARGET_PROGRAMS)
+                    need = tiles * splits * block_m * block_r if splits > 2 else 0
+                    assert lora_kernels.slot_elements(rows, rank) >= need, (rows, rank, group, features)
