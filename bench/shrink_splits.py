@@ -1,6 +1,7 @@
-"""Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against the deterministic mode's two
-ways (fixed point, `kernels.common.fixed_add`; at most two K splits added by fp32 atomics), for several numbers of
-K splits and tiles, and of the gate/up launch with and without
+"""Device time of the decode step's LoRA shrinks at W1's shapes, atomic (fp32) against the deterministic mode's three
+ways (fixed point, `kernels.common.fixed_add`; per-split slots added in split order; at most two K splits added by
+fp32 atomics), each forced at every row count, for several numbers of K splits and tiles, and of the gate/up launch
+with and without
 down's (fp32) shrink in its epilogue, to set beside down's separate shrink. CUDA-graph replays
 (`triton.testing.do_bench_cudagraph`), random bf16 weights and fp32 adapters (peft's default), LoRA r=64. Report only:
 it says how many splits each mode should aim for and where down's deterministic shrink should run.
@@ -37,14 +38,14 @@ def rand(g, *shape, dtype=torch.bfloat16, std=0.02):
 
 
 def shrink_times(rows: int, targets, tiles, g) -> dict:
-    """Atomic shrinks for each target; fixed-point ones for each target and largest tile (rows, rank columns);
-    pairs (two K splits, fp32 atomics) for each tile, forced at every width."""
+    """Atomic shrinks for each target; fixed-point and slot ones for each target and largest tile (rows, rank
+    columns); pairs (two K splits, fp32 atomics) for each tile, forced at every width."""
     from slimrl.rollout.kernels import lora
 
-    knobs = ("TARGET_PROGRAMS", "TARGET_PROGRAMS_FIXED", "FIXED_TILE", "PAIR_TILE", "PAIR_MAX_FEATURES")
+    knobs = ("TARGET_PROGRAMS", "TARGET_PROGRAMS_FIXED", "FIXED_TILE", "PAIR_TILE", "PAIR_MAX_FEATURES", "SLOT_ROWS")
     shipped = {knob: getattr(lora, knob) for knob in knobs}
-    cases = [("atomic", None, t) for t in targets] + [(m, tile, t) for m in ("fixed", "pair") for tile in tiles
-                                                      for t in (targets if m == "fixed" else targets[:1])]  # fmt: skip
+    cases = [("atomic", None, t) for t in targets] + [(m, tile, t) for m in ("fixed", "slots", "pair") for tile in tiles
+                                                      for t in (targets if m != "pair" else targets[:1])]  # fmt: skip
     out = {}
     for name, (group, features) in SHRINKS.items():
         x = rand(g, rows, features, std=1.0)
@@ -53,6 +54,7 @@ def shrink_times(rows: int, targets, tiles, g) -> dict:
             lora.TARGET_PROGRAMS = lora.TARGET_PROGRAMS_FIXED = target
             lora.FIXED_TILE = lora.PAIR_TILE = tile or shipped["FIXED_TILE"]
             lora.PAIR_MAX_FEATURES = 1 << 30 if mode == "pair" else 0
+            lora.SLOT_ROWS = (0, 1 << 30) if mode == "slots" else (0, 0)
             ordered = mode != "atomic"
             workspace = torch.zeros(lora.workspace_elements(group, rows, RANK, ordered), device="cuda")
             key = f"{name}.{f'{mode}{tile[0]}x{tile[1]}' if ordered else mode}.target{target}"

@@ -5,7 +5,8 @@ chunks added in chunk order, so the same bits in either mode). With separate shr
 0, as the prefill's grouped LoRA always runs them) the gate/up kernel does not take the down projection's shrink
 in deterministic mode (fp32 shares from every column tile would meet by atomics, and as fixed point they cost more
 than a launch of their own: bench/shrink_splits.py); down runs `lora.shrink_(ordered=True)`, whose K splits meet as
-fixed point (`common.fixed_add`). The default mode keeps the fused fp32 shrink there.
+fixed point (`common.fixed_add`), or over 65 to 256 rows in per-split slots added in split order. The default mode
+keeps the fused fp32 shrink there.
 
 In Triton's interpreter (the CPU) programs run one after another, so these tests pin the arithmetic; the CUDA test
 at the end runs the same launches on a GPU, where programs finish in any order, and checks that the bits do not
