@@ -109,8 +109,8 @@ class FusedDecode:
     lora: lora_kernels.GroupedLoRA
     tf32: bool = True
     # deterministic: the LoRA shrinks run `kernels.lora.shrink_(ordered=True)` (two K splits at most by fp32 atomics,
-    # or fixed-point sums), so no sum depends on the order in which the programs finish; down's shrink is then a
-    # launch of its own, not fp32 shares from every column tile of the gate/up kernel
+    # per-split slots added in split order, or fixed-point sums), so no sum depends on the order in which the programs
+    # finish; down's shrink is then a launch of its own, not fp32 shares from every column tile of the gate/up kernel
     ordered: bool = False
     choices: dict = dataclasses.field(default_factory=lambda: choices_for(torch.device("cpu"))[0])
     context: StepContext | None = None

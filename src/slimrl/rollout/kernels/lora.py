@@ -105,9 +105,10 @@ def _tiling(rows: int, r_pad: int, mode: str) -> tuple[int, int]:
 
 def workspace_elements(group: int, rows: int, rank: int, ordered: bool) -> int:
     """fp32 elements of the zeroed workspace a shrink of `group` adapters over `rows` rows needs: its result
-    [G, M, R_PAD], and when ordered the int64 fixed-point sums, the poison [G, M] and the tiles' arrival counts
-    (an even count, so that the next piece of a shared workspace stays 8-byte aligned). Room for fixed point
-    whatever the input width: the same workspace serves every shrink of a step."""
+    [G, M, R_PAD], and when ordered the tiles' arrival counts, after the int64 fixed-point sums and the poison [G, M]
+    where the rows take fixed point (an even count, so that the next piece of a shared workspace stays 8-byte
+    aligned). Room for either whatever the input width: the same workspace serves every shrink of a step (the slots
+    of `slot_elements` live apart, unzeroed)."""
     r_pad = padded_rank(rank)
     cells = group * rows * r_pad
     if not ordered:
