@@ -291,7 +291,9 @@ def shrink_(x: torch.Tensor, lora_as, workspace: torch.Tensor | None = None, tf3
     elif mode == "slots":
         counts = workspace[cells:].view(torch.int32)
         needed = m_tiles * group * r_blocks * splits * block_m * block_r
-        sums = slots if slots is not None and slots.numel() >= needed else torch.empty(needed, device=x.device)
+        if slots is None or slots.numel() < needed:
+            slots = torch.empty(needed, dtype=torch.float32, device=x.device)
+        sums = slots
     a_args = list(lora_as) + [lora_as[0]] * (MAX_GROUP - group)
     _shrink_kernel[(m_tiles, group * r_blocks, splits)](
         x, *a_args, values, sums, poison, counts, rows, features, rank, x.stride(0), k_per_split, fixed_limit(splits),
