@@ -259,6 +259,12 @@ def candidate_key(group: str, rows: int, c) -> str:
             f"_m{c.block_m}_p{c.per_sm}_x{c.split_k}")  # fmt: skip
 
 
+def keep_fastest(fastest: dict, key, took: float | None, value) -> None:
+    """fastest[key] = (took, value) when took (None: the candidate failed its check) beats what it holds."""
+    if took is not None and took < fastest.get(key, (float("inf"),))[0]:
+        fastest[key] = (took, value)
+
+
 def timed_choice(layer: Layer, rows: int, group: str, choice, current: dict, device, timings: dict, key: str,
                  ordered: bool = False) -> float | None:
     """`measure` of `group` on `choice` (in every row bucket), the other groups on `current`."""
@@ -282,8 +288,7 @@ def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings
                 choice = dataclasses.replace(candidate(settings), shrink_k=current[group][bucket].shrink_k)
                 took = timed_choice(layer, rows, group, choice, current, device, timings,
                                     candidate_key(group, rows, choice))  # fmt: skip
-                if took is not None and took < best.get((group, bucket), (float("inf"),))[0]:
-                    best[group, bucket] = (took, choice)
+                keep_fastest(best, (group, bucket), took, choice)
     return best
 
 
@@ -300,8 +305,7 @@ def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, ti
                 choice = dataclasses.replace(best[group, bucket][1], shrink_k=shrink_k)
                 took = timed_choice(layer, rows, group, choice, current, device, timings,
                                     f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", ordered=True)
-                if took is not None and took < tuned.get((group, bucket), (float("inf"),))[0]:
-                    tuned[group, bucket] = (took, choice)
+                keep_fastest(tuned, (group, bucket), took, choice)
     return {**best, **tuned}
 
 
@@ -317,8 +321,7 @@ def tune_attention(layer: Layer, row_counts, columns, device, timings: dict) -> 
             key = f"attention_B{rows}_c{cache_len}_s{block_s}_w{warps}_x{splits}"
             took = measure(timings, key, lambda a=shaped, r=rows, s=block_s, w=warps, n=splits: attention_error(
                 a, r, device, s, w, n))  # fmt: skip
-            if took is not None and took < fastest.get((rows, cache_len), (float("inf"),))[0]:
-                fastest[rows, cache_len] = (took, {"block_s": block_s, "num_warps": warps, "splits": splits})
+            keep_fastest(fastest, (rows, cache_len), took, {"block_s": block_s, "num_warps": warps, "splits": splits})
     engine = {(r, c): {**launch_tiles(r, torch.bfloat16, layer.head_dim),
                        "splits": context_splits(r, layer.kv_heads, c, device)} for r, c in fastest}  # fmt: skip
     return {f"B{r}_c{c}": {"us": us, **settings, "engine": engine[r, c]} for (r, c), (us, settings) in fastest.items()}
