@@ -126,6 +126,17 @@ def lora_b_tile(b_ptr, offs_n, n_ok, R, R_PAD: tl.constexpr):
 
 
 @triton.jit
+def lora_b_tiles(b0_ptr, offs0, b1_ptr, offs1, n_ok, R, R_PAD: tl.constexpr, TWO: tl.constexpr):
+    """`lora_b_tile` at columns offs0 of b0 and, when TWO, at offs1 of b1 (else the first tile again): the two
+    projections of a pair, or the two RoPE halves of one head."""
+    b0 = lora_b_tile(b0_ptr, offs0, n_ok, R, R_PAD)
+    b1 = b0
+    if TWO:
+        b1 = lora_b_tile(b1_ptr, offs1, n_ok, R, R_PAD)
+    return b0, b1
+
+
+@triton.jit
 def add_lora(y, ws_ptr, group, M, offs_m, m_ok, b_ptr, offs_n, n_ok, R, scale, OUT: tl.constexpr,
              R_PAD: tl.constexpr, ROUND_ADAPTER: tl.constexpr, PRECISION: tl.constexpr,
              FROM_L2: tl.constexpr = False):  # fmt: skip

@@ -44,7 +44,7 @@ from slimrl.rollout.kernels.gemm import (
     await_producers,
     base_outputs,
     leave,
-    lora_b_tile,
+    lora_b_tiles,
     producer_grid,
     producer_rows,
     split_args,
@@ -83,10 +83,7 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
         offs_n = pid_n * COLS + lanes  # a program owns COLS <= BN columns (see `tile_columns`)
         n_ok = (offs_n < N) & (lanes < COLS)
         if HAS_LORA and EARLY_B:  # lora_B's tiles in flight during the main loop (see `add_lora_with`)
-            b0 = lora_b_tile(lb0_ptr, offs_n, n_ok, R, R_PAD)
-            b1 = b0
-            if PAIR:
-                b1 = lora_b_tile(lb1_ptr, offs_n, n_ok, R, R_PAD)
+            b0, b1 = lora_b_tiles(lb0_ptr, offs_n, lb1_ptr, offs_n, n_ok, R, R_PAD, PAIR)
         y0, y1, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w0_ptr, offs_n, w1_ptr, offs_n, n_ok,
                                      b0_ptr, b1_ptr, y0_ptr, y1_ptr, N, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + pid_n,
                                      c // (ROW_BLOCKS * COL_TILES), BM, BN, BK, PAIR, GEMM, HAS_BIAS, EVEN_K,
@@ -96,10 +93,7 @@ def _proj_kernel(x_ptr, stride_xm, w0_ptr, w1_ptr, b0_ptr, b1_ptr, y0_ptr, y1_pt
             if FUSED:
                 await_producers(st_ptr, PRODUCED)
             if not EARLY_B:
-                b0 = lora_b_tile(lb0_ptr, offs_n, n_ok, R, R_PAD)
-                b1 = b0
-                if PAIR:
-                    b1 = lora_b_tile(lb1_ptr, offs_n, n_ok, R, R_PAD)
+                b0, b1 = lora_b_tiles(lb0_ptr, offs_n, lb1_ptr, offs_n, n_ok, R, R_PAD, PAIR)
             y0 = add_lora_with(y0, ws_ptr, 0, M, offs_m, m_ok, b0, s0, OUT, R_PAD, ROUND_ADAPTER, PRECISION, FUSED)
             if PAIR:
                 y1 = add_lora_with(y1, ws_ptr, 1, M, offs_m, m_ok, b1, s1, OUT, R_PAD, ROUND_ADAPTER, PRECISION,
@@ -190,8 +184,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
         hi = lo + HALF
         all_n = offs_d < HALF
         if HAS_LORA and EARLY_B:  # lora_B's tiles in flight during the main loop (see `add_lora_with`)
-            b_lo = lora_b_tile(lb_ptr, lo, all_n, R, R_PAD)
-            b_hi = lora_b_tile(lb_ptr, hi, all_n, R, R_PAD)
+            b_lo, b_hi = lora_b_tiles(lb_ptr, lo, lb_ptr, hi, all_n, R, R_PAD, True)
         y_lo, y_hi, m_ok = base_outputs(x_ptr, stride_xm, offs_m, offs_m < M, w_ptr, lo, w_ptr, hi, all_n, b_ptr,
                                         b_ptr, y_ptr, y_ptr, width, K, sp_ptr, cnt_ptr, pid_m * COL_TILES + j,
                                         c // (ROW_BLOCKS * COL_TILES), BM, SLICE, BK, True, GEMM, HAS_BIAS, EVEN_K,
@@ -200,8 +193,7 @@ def _qkv_kernel(x_ptr, stride_xm, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr
             if FUSED:
                 await_producers(st_ptr, PRODUCED)
             if not EARLY_B:
-                b_lo = lora_b_tile(lb_ptr, lo, all_n, R, R_PAD)
-                b_hi = lora_b_tile(lb_ptr, hi, all_n, R, R_PAD)
+                b_lo, b_hi = lora_b_tiles(lb_ptr, lo, lb_ptr, hi, all_n, R, R_PAD, True)
             y_lo = add_lora_with(y_lo, ws_ptr, kind, M, offs_m, m_ok, b_lo, scale, OUT, R_PAD, ROUND_ADAPTER,
                                  PRECISION, FUSED)  # fmt: skip
             y_hi = add_lora_with(y_hi, ws_ptr, kind, M, offs_m, m_ok, b_hi, scale, OUT, R_PAD, ROUND_ADAPTER,
