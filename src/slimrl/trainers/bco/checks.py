@@ -4,15 +4,12 @@ the constructor arguments of TRL 0.2x's BCOTrainer that slimrl does not support,
 
 from __future__ import annotations
 
-import numbers
-
 from datasets import Dataset, IterableDataset
 
-from slimrl.trainers.common.preference_inputs import dataset_columns
+from slimrl.trainers.common.preference_inputs import IMAGE_COLUMNS, check_boolean_labels, dataset_columns
 
 FORMAT = ("BCO needs an unpaired dataset with 'prompt', 'completion' and a boolean 'label' column (True for a "
           "thumbs-up completion, False for a thumbs-down one)")  # fmt: skip
-IMAGE_COLUMNS = ("image", "images")
 
 
 def check_datasets(train_dataset, eval_dataset) -> None:
@@ -42,21 +39,7 @@ def check_dataset(dataset, name: str) -> None:
     missing = [column for column in ("prompt", "completion", "label") if column not in columns]
     if missing:
         raise ValueError(f"{name} has columns {columns}, without {missing}. {FORMAT}.")
-    check_labels(dataset, name)
-
-
-def check_labels(dataset, name: str) -> None:
-    """Labels must be booleans (0 and 1 read as False and True)."""
-    values = (dataset.unique("label") if len(dataset) else []) if isinstance(dataset, Dataset) else \
-        [next(iter(dataset))["label"]]  # fmt: skip
-    bad = [value for value in values if not (isinstance(value, numbers.Real) and value in (0, 1))]
-    if bad:
-        shown = ", ".join(f"{value!r} ({type(value).__name__})" for value in bad[:3])
-        raise ValueError(
-            f"{name}'s 'label' column holds {shown}; BCO needs a boolean label per row: True for a thumbs-up "
-            "completion, False for a thumbs-down one. Convert it first, e.g. "
-            "dataset = dataset.map(lambda row: {'label': row['label'] == 'good'}) with your thumbs-up value."
-        )
+    check_boolean_labels(dataset, name, "BCO", "thumbs-up", "thumbs-down")
 
 
 def check_udm_arguments(embedding_func, embedding_tokenizer) -> None:

@@ -1,10 +1,13 @@
 """What slimrl checks in a preference dataset (prompt / chosen / rejected) that TRL lets through to a later crash or a
 silent mis-training: missing columns, a mix of plain-text and chat-message columns, and sequences the model's context
-cannot hold."""
+cannot hold; and the boolean labels of an unpaired dataset (KTO, BCO)."""
 
 from __future__ import annotations
 
+import numbers
 import warnings
+
+from datasets import Dataset
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 REQUIRED_COLUMNS = ("chosen", "rejected")  # without "prompt", TRL takes the common prefix of chosen and rejected
@@ -18,6 +21,24 @@ def dataset_columns(dataset) -> list[str] | None:
         first = next(iter(dataset), None)
         columns = list(first) if isinstance(first, dict) else None
     return columns
+
+
+def check_boolean_labels(dataset, name: str, algorithm: str, good: str, bad: str) -> None:
+    """An unpaired dataset's 'label' column must hold booleans (0 and 1 read as False and True, as TRL reads them):
+    every distinct label of a Dataset, the first row's of a streaming one. good / bad: what True and False mean to
+    the algorithm's users ("desirable" / "undesirable" for KTO), named in the error."""
+    if isinstance(dataset, Dataset):
+        values = dataset.unique("label") if len(dataset) else []
+    else:
+        values = [next(iter(dataset))["label"]]
+    wrong = [value for value in values if not (isinstance(value, numbers.Real) and value in (0, 1))]
+    if wrong:
+        shown = ", ".join(f"{value!r} ({type(value).__name__})" for value in wrong[:3])
+        raise ValueError(
+            f"{name}'s 'label' column holds {shown}; {algorithm} needs a boolean label per row: True for a {good} "
+            f"completion, False for {'an' if bad[0] in 'aeiou' else 'a'} {bad} one. Convert it first, e.g. "
+            f"dataset = dataset.map(lambda row: {{'label': row['label'] == 'good'}}) with your {good} value."
+        )
 
 
 def check_preference_dataset(dataset, name: str, algorithm: str = "DPO") -> None:

@@ -16,7 +16,6 @@ custom collator) run through TRL's one-piece loss, with one warning per reason. 
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from datasets import Dataset, IterableDataset
 from slimrl.trainers.common.base import SlimTrainerMixin
 from slimrl.trainers.common.chunked_step import Chunk, ChunkStats, plan_by_length
 from slimrl.trainers.common.chunked_trainer import ChunkedTrainerMixin, ChunkPlan
-from slimrl.trainers.common.preference_inputs import dataset_columns
+from slimrl.trainers.common.preference_inputs import check_boolean_labels, dataset_columns
 from slimrl.trainers.common.slim_fields import SlimFields, with_slim_fields
 from slimrl.trainers.common.unpaired import chunk_stats, gathered_sums, reference_forward
 from slimrl.trainers.kto.loss import (
@@ -242,23 +241,7 @@ def check_dataset(dataset, name: str) -> None:
     missing = [column for column in ("prompt", "completion", "label") if column not in columns]
     if missing:
         raise ValueError(f"{name} has columns {columns}, without {missing}. {FORMATS}.")
-    check_labels(dataset, name)
-
-
-def check_labels(dataset, name: str) -> None:
-    """Labels must be booleans (0 and 1 read as False and True, as TRL reads them)."""
-    if isinstance(dataset, Dataset):
-        values = dataset.unique("label") if len(dataset) else []
-    else:
-        values = [next(iter(dataset))["label"]]
-    bad = [value for value in values if not (isinstance(value, numbers.Real) and value in (0, 1))]
-    if bad:
-        shown = ", ".join(f"{value!r} ({type(value).__name__})" for value in bad[:3])
-        raise ValueError(
-            f"{name}'s 'label' column holds {shown}; KTO needs a boolean label per row: True for a desirable "
-            "completion, False for an undesirable one. Convert it first, e.g. "
-            "dataset = dataset.map(lambda row: {'label': row['label'] == 'good'}) with your desirable value."
-        )
+    check_boolean_labels(dataset, name, "KTO", "desirable", "undesirable")
 
 
 def prepared_row_count(dataset) -> int | None:
