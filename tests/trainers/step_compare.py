@@ -61,16 +61,23 @@ def assert_same_step(expected, actual, label: str, train: bool | None = True, no
     (loss_e, grads_e, metrics_e), (loss_a, grads_a, metrics_a) = expected, actual
     if train is not None:
         assert bool(grads_e) == train, f"{label}: the reference {'lacks' if train else 'has'} gradients"
+    assert_same_loss_and_grads((loss_e, grads_e), (loss_a, grads_a), label, nonzero_reference)
+    assert list(metrics_a) == list(metrics_e), f"{label}: metric names {list(metrics_a)} != {list(metrics_e)}"
+    for name, value in metrics_e.items():
+        if name not in skip_metrics:
+            assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
+
+
+def assert_same_loss_and_grads(expected, actual, label: str, nonzero_reference: bool = False) -> None:
+    """(loss, {name: gradient}) pairs agree at the fp32 tolerances, each gradient relative to its tensor's largest
+    entry (see `assert_same_step`); nonzero_reference: a zero reference gradient is an error."""
+    (loss_e, grads_e), (loss_a, grads_a) = expected, actual
     assert_close(loss_a, loss_e, name=f"{label}: loss")
     assert grads_a.keys() == grads_e.keys(), f"{label}: different parameters received gradients"
     for name, grad in grads_e.items():
         scale = grad.abs().max().item()
         assert scale > 0 or not nonzero_reference, f"{label}: the reference gradient of {name} is zero"
         assert_close(grads_a[name] / scale, grad / scale, "grad_fp32", name=f"{label}: grad of {name} (/ {scale:.3g})")
-    assert list(metrics_a) == list(metrics_e), f"{label}: metric names {list(metrics_a)} != {list(metrics_e)}"
-    for name, value in metrics_e.items():
-        if name not in skip_metrics:
-            assert_close(torch.tensor(metrics_a[name]), torch.tensor(value), name=f"{label}: metric {name}")
 
 
 def assert_logged_values_close(reference: list[dict], ours: list[dict], not_compared: set[str]) -> None:
