@@ -6,13 +6,16 @@ biases as Qwen2's, fp32 LoRA r=64 as peft gives it, TF32 adapters as the engine 
 compared with the unfused reference (`model.reference`: the projections with peft's LoRA math, RoPE, the cache's own
 column write): a candidate whose largest error exceeds TOLERANCE of the largest reference magnitude is WRONG and cannot
 be chosen (one that fails to compile or run is ERR). Checked candidates are timed as CUDA-graph replays
-(`triton.testing.do_bench_cudagraph`), keeping the current setting's `shrink_k`. On the fastest tiles of each group
-and row bucket, each of SHRINK_CANDIDATES (how the launch gets its LoRA shrink: its own producers over that many K
-columns each, or an ordered `shrink_` launch before it) is checked and timed on the deterministic path, the trainers'
-default. The fastest replaces that entry of the GPU's current settings (`fused_ops.choices_for`), the whole set is
-checked again at every row count, on both paths, and only then written with
-`fused_ops.save_choices` to --choices (default `fused_ops.tuned_path(<GPU name>)`, the file the engine loads at run
-time; on the GPU machine pass a path under $OUT to get it back). The JSON holds every timing and the chosen set.
+(`triton.testing.do_bench_cudagraph`), keeping the current setting's `shrink_k`, over --layers copies of the layer with
+weights of their own (W1's 28 by default), one launch after another as in a decode step: each copy's weights then
+stream from HBM as a step's do. One layer replayed on its own keeps its weights in L2 (q/k/v's 6 MB, o's 5 MB), where
+a deeper pipeline shows no gain and the per-launch times rank settings differently from the step. On the fastest
+tiles of each group and row bucket, each of SHRINK_CANDIDATES (how the launch gets its LoRA shrink: its own producers
+over that many K columns each, or an ordered `shrink_` launch before it) is checked and timed on the deterministic
+path, the trainers' default. The fastest replaces that entry of the GPU's current settings (`fused_ops.choices_for`),
+the whole set is checked again at every row count, on both paths, and only then written with `fused_ops.save_choices`
+to --choices (default `fused_ops.tuned_path(<GPU name>)`, the file the engine loads at run time; on the GPU machine
+pass a path under $OUT to get it back). The JSON holds every timing and the chosen set.
 
 The decode attention kernel's (block_s, num_warps, splits) candidates are checked against SDPA and timed the same
 way with 3/4 of the cache's columns live, for caches of --attention-columns (W2's 512, and W3's 1,024 new tokens past
@@ -24,7 +27,7 @@ A launch timed alone is not a decode step: confirm a new setting in the step wit
 `bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` (with PDL, a step can rank settings differently).
 
     python bench/tune_decode.py [$OUT/tune_decode.json] [--groups qkv o gate_up down attention] [--rows 8 64 256]
-                                [--attention-columns 512 1536] [--choices PATH] [--tiny]
+                                [--attention-columns 512 1536] [--layers 28] [--choices PATH] [--tiny]
 
 --tiny: a small layer (hidden 96, 4 heads of 32, 2 kv heads, intermediate 80, LoRA r=8) on the CPU in Triton's
 interpreter (set TRITON_INTERPRET=1): the candidates' checks and the choosing run, the times are one wall-clock call
@@ -54,19 +57,23 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 # (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); for qkv block_n = columns per RoPE half.
 # block_m 0 = up to 64 rows by the row count; per_sm > 0 spreads the columns over that many programs per SM.
 TUNE_CANDIDATES = {
-    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 16, 128, 4, 3, 0, 0, 2),
+    "qkv": [(True, 16, 128, 4, 3), (True, 32, 128, 4, 3), (True, 16, 128, 4, 5), (True, 32, 128, 4, 5),
+            (True, 16, 256, 4, 4), (True, 32, 256, 4, 4), (True, 16, 128, 4, 3, 0, 0, 2),
             (True, 16, 128, 4, 3, 0, 0, 3), (True, 16, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2),
             (True, 32, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4), (True, 32, 64, 4, 4, 0, 0, 3)],
-    "o": [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3), (True, 16, 128, 4, 4, 0, 0, 2), (True, 16, 128, 4, 4, 0, 0, 3),
+    "o": [(True, 16, 128, 4, 4), (True, 64, 128, 4, 3), (True, 16, 128, 4, 5), (True, 32, 128, 4, 5),
+          (True, 16, 128, 4, 4, 0, 0, 2), (True, 16, 128, 4, 4, 0, 0, 3),
           (True, 16, 128, 4, 4, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 2), (True, 32, 128, 4, 3, 0, 0, 4),
           (True, 64, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 4), (True, 16, 64, 4, 4, 0, 0, 4)],
     "gate_up": [(True, 64, 64, 4, 4), (True, 64, 64, 4, 3), (True, 64, 64, 4, 3, 0, 2), (False, 128, 64, 4, 3),
+                (True, 32, 128, 4, 3), (True, 64, 128, 4, 3),
                 (False, 64, 64, 4, 3),
                 (True, 64, 64, 4, 4, 0, 0, 2), (True, 64, 64, 4, 4, 0, 0, 3), (True, 32, 64, 4, 4, 0, 0, 2),
                 (True, 32, 128, 4, 3, 0, 0, 2), (True, 64, 128, 4, 3, 0, 0, 2), (True, 128, 64, 8, 3, 0, 0, 2),
                 (True, 128, 64, 8, 3, 0, 0, 4), (True, 64, 64, 8, 3, 0, 0, 2)],
-    "down": [(False, 64, 64, 4, 3), (False, 32, 64, 4, 3), (True, 16, 128, 4, 4, 0, 0, 4),
-             (True, 16, 128, 4, 4, 0, 0, 8), (True, 32, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 3, 0, 0, 8),
+    "down": [(False, 64, 64, 4, 3), (False, 32, 64, 4, 3), (True, 32, 128, 4, 4, 0, 0, 2),
+             (True, 16, 128, 4, 4, 0, 0, 4), (True, 16, 128, 4, 4, 0, 0, 8), (True, 32, 128, 4, 3, 0, 0, 4),
+             (True, 32, 128, 4, 3, 0, 0, 8),
              (True, 64, 128, 4, 3, 0, 0, 8), (True, 32, 64, 4, 4, 0, 0, 8), (True, 64, 64, 4, 4, 0, 0, 4),
              (True, 64, 128, 4, 3, 0, 0, 4), (True, 32, 128, 4, 4, 0, 0, 4)],
 }  # fmt: skip
@@ -99,12 +106,12 @@ W1_LAYER = Layer(W1_SHAPE["hidden_size"], W1_SHAPE["num_attention_heads"], W1_SH
 TINY_LAYER = Layer(hidden=96, heads=4, kv_heads=2, head_dim=32, intermediate=80, rank=8, cache_len=24)
 
 
-def layer_case(layer: Layer, rows: int, device) -> dict:
+def layer_case(layer: Layer, rows: int, device, replica: int = 0) -> dict:
     """Random projections of one layer (bf16 weights, q/k/v biases, fp32 LoRA with non-zero B, scale 1) and the inputs
-    of a decode step of `rows` rows; the same for the same (layer, rows)."""
+    of a decode step of `rows` rows; the same for the same (layer, rows, replica)."""
     from slimrl.rollout.model.views import LinearSpec
 
-    g = torch.Generator(device=device).manual_seed(rows)
+    g = torch.Generator(device=device).manual_seed(rows + 1000 * replica)
 
     def randn(*shape, std=1.0):
         return torch.randn(*shape, generator=g, device=device) * std
@@ -178,12 +185,28 @@ def relative_error(got, want) -> float:
                for a, b in zip(got, want, strict=True))  # fmt: skip
 
 
-def checked_call(layer: Layer, rows: int, group: str, choices: dict, device, ordered: bool = False):
-    """(relative error against the reference, the callable) of one group's fused op on these settings."""
+class Chain:
+    """Calls one group's fused op on `copies` layers in turn (`time_us` gives the time per layer)."""
+
+    def __init__(self, calls: list):
+        self.calls, self.copies = calls, len(calls)
+
+    def __call__(self):
+        return [call() for call in self.calls]
+
+
+def checked_call(layer: Layer, rows: int, group: str, choices: dict, device, ordered: bool = False, copies: int = 1):
+    """(relative error against the reference, the callable) of one group's fused op on these settings; with copies >
+    1 the callable is a `Chain` over that many layers (the first the checked one, the others with weights of their
+    own)."""
     case = layer_case(layer, rows, device)
     call = fused_call(layer, case, group, choices, ordered)
     with torch.no_grad():
-        return relative_error(call(), reference(layer, case)[group]), call
+        error = relative_error(call(), reference(layer, case)[group])
+    if copies > 1:
+        call = Chain([call, *(fused_call(layer, layer_case(layer, rows, device, replica), group, choices, ordered)
+                              for replica in range(1, copies))])  # fmt: skip
+    return error, call
 
 
 def group_errors(layer: Layer, rows: int, choices: dict, device, groups=GROUPS, ordered=False) -> dict[str, float]:
@@ -222,15 +245,17 @@ def attention_error(layer: Layer, rows: int, device, block_s: int = 64, num_warp
 
 
 def time_us(call) -> float:
-    """Microseconds per call: CUDA-graph replays on a GPU; one wall-clock call elsewhere (the interpreter)."""
+    """Microseconds per call (per layer of a `Chain`): CUDA-graph replays on a GPU; one wall-clock call elsewhere (the
+    interpreter)."""
+    copies = getattr(call, "copies", 1)
     if torch.cuda.is_available():
         from triton.testing import do_bench_cudagraph
 
         with torch.no_grad():
-            return round(1000 * do_bench_cudagraph(call, rep=30), 2)
+            return round(1000 * do_bench_cudagraph(call, rep=30) / copies, 2)
     start = time.perf_counter()
     call()
-    return round(1e6 * (time.perf_counter() - start), 2)
+    return round(1e6 * (time.perf_counter() - start) / copies, 2)
 
 
 def measure(report: dict, key: str, check) -> float | None:
@@ -266,16 +291,17 @@ def keep_fastest(fastest: dict, key, took: float | None, value) -> None:
 
 
 def timed_choice(layer: Layer, rows: int, group: str, choice, current: dict, device, timings: dict, key: str,
-                 ordered: bool = False) -> float | None:
-    """`measure` of `group` on `choice` (in every row bucket), the other groups on `current`."""
+                 ordered: bool = False, copies: int = 1) -> float | None:
+    """`measure` of `group` on `choice` (in every row bucket), the other groups on `current`, timed over `copies`
+    layers."""
     from slimrl.rollout.fused_ops import ROW_BUCKETS
 
     choices = copy.deepcopy(current)
     choices[group] = {b: choice for b in ROW_BUCKETS}
-    return measure(timings, key, lambda: checked_call(layer, rows, group, choices, device, ordered))
+    return measure(timings, key, lambda: checked_call(layer, rows, group, choices, device, ordered, copies))
 
 
-def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings: dict) -> dict:
+def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings: dict, copies: int = 1) -> dict:
     """{(group, row bucket): (us, KernelChoice)} of the fastest checked candidate; every candidate into `timings`.
     Candidates keep the current setting's shrink_k (`tune_shrinks` tunes it)."""
     from slimrl.rollout.fused_ops import ROW_BUCKETS
@@ -287,12 +313,12 @@ def tune_groups(layer: Layer, groups, row_counts, current: dict, device, timings
             for settings in TUNE_CANDIDATES[group]:
                 choice = dataclasses.replace(candidate(settings), shrink_k=current[group][bucket].shrink_k)
                 took = timed_choice(layer, rows, group, choice, current, device, timings,
-                                    candidate_key(group, rows, choice))  # fmt: skip
+                                    candidate_key(group, rows, choice), copies=copies)  # fmt: skip
                 keep_fastest(best, (group, bucket), took, choice)
     return best
 
 
-def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, timings: dict) -> dict:
+def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, timings: dict, copies: int = 1) -> dict:
     """`best` with each (group, bucket)'s shrink setting replaced by the fastest of SHRINK_CANDIDATES on its chosen
     tiles, checked and timed on the deterministic path; every candidate into `timings`."""
     from slimrl.rollout.fused_ops import ROW_BUCKETS
@@ -304,7 +330,8 @@ def tune_shrinks(layer: Layer, row_counts, best: dict, current: dict, device, ti
             for shrink_k in SHRINK_CANDIDATES:
                 choice = dataclasses.replace(best[group, bucket][1], shrink_k=shrink_k)
                 took = timed_choice(layer, rows, group, choice, current, device, timings,
-                                    f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", ordered=True)
+                                    f"{candidate_key(group, rows, choice)}_shrink{shrink_k}_ordered", ordered=True,
+                                    copies=copies)  # fmt: skip
                 keep_fastest(tuned, (group, bucket), took, choice)
     return {**best, **tuned}
 
@@ -358,6 +385,9 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="decode row counts to tune at")
     parser.add_argument("--attention-columns", type=int, nargs="+", default=[512, 1536],
                         help="cache lengths to time the attention at (3/4 of them live)")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="layers (weights of their own) each candidate is timed over, one launch after another "
+                             "(default: W1's 28; 2 with --tiny)")  # fmt: skip
     parser.add_argument("--choices", help="where to write the chosen settings (default: the GPU's tuned file)")
     parser.add_argument("--tiny", action="store_true", help="a small layer, for a CPU run in Triton's interpreter")
     return parser.parse_args(argv)
@@ -369,15 +399,16 @@ def main(argv=None) -> Report:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device, layer = torch.device("cuda" if cuda else "cpu"), TINY_LAYER if args.tiny else W1_LAYER
+    copies = args.layers or (2 if args.tiny else W1_SHAPE["num_hidden_layers"])
     report = Report(args.out, **environment(cuda), layer=dataclasses.asdict(layer), rows=args.rows,
                     command=shlex.join(["bench/tune_decode.py", *(sys.argv[1:] if argv is None else argv)]),
-                    tolerance=TOLERANCE, timings_us={})  # fmt: skip
+                    tolerance=TOLERANCE, timed_over_layers=copies, timings_us={})  # fmt: skip
     current, current_path = choices_for(device)
     report["started_from"] = current_path.name
     best, chosen = {}, None
     with recorded(report, "groups"):
-        best = tune_groups(layer, args.groups, args.rows, current, device, report["timings_us"])
-        best = tune_shrinks(layer, args.rows, best, current, device, report["timings_us"])
+        best = tune_groups(layer, args.groups, args.rows, current, device, report["timings_us"], copies)
+        best = tune_shrinks(layer, args.rows, best, current, device, report["timings_us"], copies)
     if "attention" in args.groups:
         with recorded(report, "attention"):
             columns = [layer.cache_len] if args.tiny else args.attention_columns

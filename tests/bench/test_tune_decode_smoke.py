@@ -62,6 +62,7 @@ def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, 
                          str(written)])  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["problems"] == [] and report.exit_status() == 0, saved.get("errors")
+    assert saved["timed_over_layers"] == 2, "each candidate timed over layers with weights of their own"
     assert saved["wrong_candidates"] == ["o_B5_gemm_n64_k128_w4_s3_m0_p0_x1"]
     assert saved["timings_us"]["o_B5_gemm_n64_k128_w4_s3_m0_p0_x1"].startswith("WRONG relative error 0.1")
     chosen = load_choices(written)
@@ -80,3 +81,16 @@ def test_a_wrong_candidate_is_never_chosen_and_the_chosen_set_is_written(tuner, 
         assert tiles.shrink_k == min(shrinks, key=shrinks.get), f"{group}: not the fastest shrink setting"
     assert {"B5", "B5_ordered"} == set(saved["chosen_check"])
 
+
+def test_a_chain_times_every_layer_and_reports_the_time_per_layer(tuner, monkeypatch):
+    device, choices = "cuda" if torch.cuda.is_available() else "cpu", shipped_choices()
+    error, chain = tuner.checked_call(tuner.TINY_LAYER, 5, "o", choices, device, copies=3)
+    assert error < tuner.TOLERANCE and isinstance(chain, tuner.Chain) and chain.copies == 3
+    first, *others = (tuner.layer_case(tuner.TINY_LAYER, 5, device, replica) for replica in range(3))
+    assert all(not torch.equal(first["o"].weight, other["o"].weight) for other in others), "weights of their own"
+    outputs = chain()
+    assert len(outputs) == 3 and not torch.equal(outputs[0][0], outputs[1][0])
+    if not torch.cuda.is_available():  # one wall-clock call of the chain, divided among its layers
+        clock = iter([0.0, 0.3])
+        monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock))
+        assert tuner.time_us(chain) == 100000.0
