@@ -4,12 +4,12 @@ For each projection group (qkv, o, gate_up, down) and decode row count (8, 64, 2
 candidate of TUNE_CANDIDATES runs on one layer's worth of random projections shaped as W1's (bf16 weights, q/k/v
 biases as Qwen2's, fp32 LoRA r=64 as peft gives it, TF32 adapters as the engine runs them). Its output is first
 compared with the unfused reference (`model.reference`: the projections with peft's LoRA math, RoPE, the cache's own
-column write): a candidate whose largest error exceeds TOLERANCE of the largest reference magnitude is WRONG and cannot
-be chosen (one that fails to compile or run is ERR). Checked candidates are timed as CUDA-graph replays
-(`triton.testing.do_bench_cudagraph`), keeping the current setting's `shrink_k`, over --layers copies of the layer with
-weights of their own (W1's 28 by default), one launch after another as in a decode step: each copy's weights then
-stream from HBM as a step's do. One layer replayed on its own keeps its weights in L2 (q/k/v's 6 MB, o's 5 MB), where
-a deeper pipeline shows no gain and the per-launch times rank settings differently from the step. On the fastest
+column write): a candidate whose largest error exceeds TOLERANCE of the largest reference magnitude is WRONG and
+cannot be chosen (one that fails to compile or run is ERR). Checked candidates are timed as CUDA-graph replays
+(`triton.testing.do_bench_cudagraph`), keeping the current setting's `shrink_k`, over --layers copies of the layer
+with weights of their own (W1's 28 by default), one launch after another as in a decode step: each copy's weights then
+stream from HBM, as they do in a step. One layer replayed alone keeps its weights in L2 (q/k/v's 6 MB, o's 5 MB),
+where a deeper pipeline shows no gain and the per-launch times rank settings differently from the step. On the fastest
 tiles of each group and row bucket, each of SHRINK_CANDIDATES (how the launch gets its LoRA shrink: its own producers
 over that many K columns each, or an ordered `shrink_` launch before it) is checked and timed on the deterministic
 path, the trainers' default. The fastest replaces that entry of the GPU's current settings (`fused_ops.choices_for`),
