@@ -192,22 +192,28 @@ def run_two_processes(module: str, args: list[str], port: int, env: dict[str, st
         return texts
 
 
-def wait_for(ranks, deadline: float) -> str | None:
+def wait_for(ranks, deadline: float, grace: float = 5.0) -> str | None:
     """Waits until both ranks exited 0 (None), one exited otherwise, or the deadline passed (what went wrong). A
-    failure names every rank found exited non-zero at that moment: a rank that dies takes down the rank waiting on
-    it in a collective, and both may have exited by the time the wait returns."""
-    running = list(ranks)
+    failure names every rank found exited non-zero: a rank that dies takes down the rank waiting on it in a
+    collective, and the one taken down may exit first (its peer's socket closes while the peer's interpreter is still
+    shutting down), so after the first failure the others get `grace` seconds to exit before the report is made."""
+    running, failed, grace_ends = list(ranks), [], deadline
     while running:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return f"still running after the timeout: {[p.name for p in running]}"
-        failed = []
+        now = time.monotonic()
+        if failed:
+            left = min(deadline, grace_ends) - now
+            if left <= 0:
+                break
+        else:
+            left = deadline - now
+            if left <= 0:
+                return f"still running after the timeout: {[p.name for p in running]}"
         for sentinel in multiprocessing.connection.wait([p.sentinel for p in running], timeout=left):
             process = next(p for p in running if p.sentinel == sentinel)
             process.join()
             running.remove(process)
             if process.exitcode != 0:
+                if not failed:
+                    grace_ends = time.monotonic() + grace
                 failed.append(f"{process.name} exited with code {process.exitcode}")
-        if failed:
-            return "; ".join(sorted(failed))
-    return None
+    return "; ".join(sorted(failed)) if failed else None
