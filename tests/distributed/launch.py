@@ -197,23 +197,19 @@ def wait_for(ranks, deadline: float, grace: float = 5.0) -> str | None:
     failure names every rank found exited non-zero: a rank that dies takes down the rank waiting on it in a
     collective, and the one taken down may exit first (its peer's socket closes while the peer's interpreter is still
     shutting down), so after the first failure the others get `grace` seconds to exit before the report is made."""
-    running, failed, grace_ends = list(ranks), [], deadline
+    running, failed, stop_at = list(ranks), [], deadline
     while running:
-        now = time.monotonic()
-        if failed:
-            left = min(deadline, grace_ends) - now
-            if left <= 0:
+        left = stop_at - time.monotonic()
+        if left <= 0:
+            if failed:  # the grace is over: the ranks still running are ended by the caller
                 break
-        else:
-            left = deadline - now
-            if left <= 0:
-                return f"still running after the timeout: {[p.name for p in running]}"
+            return f"still running after the timeout: {[p.name for p in running]}"
         for sentinel in multiprocessing.connection.wait([p.sentinel for p in running], timeout=left):
             process = next(p for p in running if p.sentinel == sentinel)
             process.join()
             running.remove(process)
             if process.exitcode != 0:
                 if not failed:
-                    grace_ends = time.monotonic() + grace
+                    stop_at = min(deadline, time.monotonic() + grace)
                 failed.append(f"{process.name} exited with code {process.exitcode}")
     return "; ".join(sorted(failed)) if failed else None
