@@ -40,16 +40,13 @@ def test_a_failing_rank_ends_the_run_and_the_rank_waiting_for_it(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_a_failure_names_every_rank_found_exited_non_zero():
-    """The race a CI run once lost: the failing rank and the rank it took down had both exited when the wait looked,
-    and only rank 0's connection error was reported."""
+def start_ranks(target, args_per_rank: list[tuple]) -> list:
+    """Forked processes named rank0, rank1, ... running `target(*args)`, started."""
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=sys.exit, args=(code,), name=f"rank{rank}") for rank, code in enumerate((1, 2))]
+    ranks = [context.Process(target=target, args=args, name=f"rank{rank}") for rank, args in enumerate(args_per_rank)]
     for process in ranks:
         process.start()
-    for process in ranks:
-        process.join()
-    assert wait_for(ranks, time.monotonic() + 30) == "rank0 exited with code 1; rank1 exited with code 2"
+    return ranks
 
 
 def exit_after(seconds: float, code: int) -> None:
@@ -57,23 +54,24 @@ def exit_after(seconds: float, code: int) -> None:
     sys.exit(code)
 
 
+def test_a_failure_names_every_rank_found_exited_non_zero():
+    """The race a CI run once lost: the failing rank and the rank it took down had both exited when the wait looked,
+    and only rank 0's connection error was reported."""
+    ranks = start_ranks(sys.exit, [(1,), (2,)])
+    for process in ranks:
+        process.join()
+    assert wait_for(ranks, time.monotonic() + 30) == "rank0 exited with code 1; rank1 exited with code 2"
+
+
 def test_a_rank_exiting_soon_after_the_first_failure_is_named_too():
     """The race a later CI run lost: rank 0, taken down by rank 1's closed socket, exited while rank 1's interpreter
     was still shutting down, and only rank 0 was named. The wait now gives the other rank a grace period."""
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=exit_after, args=(delay, 1), name=f"rank{rank}")
-             for rank, delay in enumerate((0.0, 1.0))]  # fmt: skip
-    for process in ranks:
-        process.start()
+    ranks = start_ranks(exit_after, [(0.0, 1), (1.0, 1)])
     assert wait_for(ranks, time.monotonic() + 30, grace=10.0) == "rank0 exited with code 1; rank1 exited with code 1"
 
 
 def test_a_rank_still_running_after_the_grace_is_left_to_be_ended():
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=exit_after, args=(delay, code), name=f"rank{rank}")
-             for rank, (delay, code) in enumerate(((0.0, 3), (30.0, 0)))]  # fmt: skip
-    for process in ranks:
-        process.start()
+    ranks = start_ranks(exit_after, [(0.0, 3), (30.0, 0)])
     started = time.monotonic()
     try:
         assert wait_for(ranks, time.monotonic() + 60, grace=0.5) == "rank0 exited with code 3"
