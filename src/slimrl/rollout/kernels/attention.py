@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import interpreting
-from slimrl.rollout.kernels.common import enter, round_to
+from slimrl.rollout.kernels.common import enter, last_to_arrive, round_to
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.kernels.gemm import SplitScratch
 from slimrl.rollout.kv_cache import table_unit
@@ -85,9 +85,9 @@ def _merge_splits(acc, m_i, l_i, sp_ptr, cnt_ptr, tile, split, g_ok, SPLITS: tl.
                   D: tl.constexpr):  # fmt: skip
     """(output sums, softmax sum, whether this program holds them) of one (sequence, kv head) `tile` whose columns
     SPLITS programs share. Each stores its unnormalised output, running max and sum in its slot of sp (fp32,
-    [tiles, SPLITS, BLOCK_G * D + 2 * BLOCK_G]) and counts itself in cnt[tile] (int32, zero between launches); the
+    [tiles, SPLITS, BLOCK_G * D + 2 * BLOCK_G]) and counts itself in cnt[tile] (`common.last_to_arrive`); the
     last to arrive rescales every slot to the common max and adds them in split order (an empty split's max is -inf:
-    it adds nothing), then zeroes the count for the next launch."""
+    it adds nothing)."""
     offs_g = tl.arange(0, BLOCK_G)
     cells = offs_g[:, None] * D + tl.arange(0, D)[None, :]
     width: tl.constexpr = BLOCK_G * D + 2 * BLOCK_G
@@ -95,8 +95,7 @@ def _merge_splits(acc, m_i, l_i, sp_ptr, cnt_ptr, tile, split, g_ok, SPLITS: tl.
     tl.store(slots + split * width + cells, acc, mask=g_ok)
     tl.store(slots + split * width + BLOCK_G * D + offs_g, m_i)
     tl.store(slots + split * width + BLOCK_G * D + BLOCK_G + offs_g, l_i)
-    tl.debug_barrier()  # every thread's stores are out before the count is released
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    last = last_to_arrive(cnt_ptr, tile, SPLITS)
     if last:  # .cg: the other SMs' stores, read from L2
         top = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         for s in range(0, SPLITS):
@@ -107,7 +106,6 @@ def _merge_splits(acc, m_i, l_i, sp_ptr, cnt_ptr, tile, split, g_ok, SPLITS: tl.
             weight = tl.exp(tl.load(slots + s * width + BLOCK_G * D + offs_g, cache_modifier=".cg") - top)
             l_i += weight * tl.load(slots + s * width + BLOCK_G * D + BLOCK_G + offs_g, cache_modifier=".cg")
             acc += weight[:, None] * tl.load(slots + s * width + cells, mask=g_ok, other=0.0, cache_modifier=".cg")
-        tl.store(cnt_ptr + tile, 0)
     return acc, l_i, last
 
 

@@ -163,3 +163,47 @@ def fixed_load(sum_ptrs, poison_ptrs, rows_ok, mask):
     units = tl.load(sum_ptrs, mask=mask, other=0, cache_modifier=".cg")
     poison = tl.load(poison_ptrs, mask=rows_ok, other=0.0, cache_modifier=".cg")
     return units.to(tl.float32) * _FROM_FIXED + poison[:, None]
+
+
+# -- partial sums that meet in a fixed order ------------------------------------------------------------------------
+
+
+@triton.jit
+def last_to_arrive(cnt_ptr, tile, splits):
+    """Whether this program is the last of the `splits` programs sharing `tile` to finish its share, counted in
+    cnt[tile] (int32, zero between launches) once the share's stores or atomics are issued; the last one sees every
+    other's writes (acq_rel) and zeroes the count for the next launch (all of them have counted by then)."""
+    tl.debug_barrier()  # every thread's writes are issued before the count is released
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
+    if last:
+        tl.store(cnt_ptr + tile, 0)
+    return last
+
+
+@triton.jit
+def add_slots_in_order(acc0, acc1, slots, cells, split, splits, cnt_ptr, tile, SLOT: tl.constexpr,
+                       PARTS: tl.constexpr, TWO: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+    """fp32 partial sums of one tile that `splits` programs share (this one the `split`-th), added in split order so
+    that the sum does not depend on which finished first. Each program stores acc0 (and acc1 when TWO) in its own
+    slots of the tile's unzeroed fp32 scratch (split s, part j at slots + (s * PARTS + j) * SLOT + cells); the last
+    to arrive (`last_to_arrive`) adds every split's slots from zero, reading them from L2 (.cg), where the other SMs'
+    stores landed; UNROLL (splits a constexpr) unrolls that loop. Returns (acc0, acc1, whether this program holds
+    the sums); the others get their own partials back."""
+    tl.store(slots + (split * PARTS) * SLOT + cells, acc0)
+    if TWO:
+        tl.store(slots + (split * PARTS + 1) * SLOT + cells, acc1)
+    last = last_to_arrive(cnt_ptr, tile, splits)
+    if last:
+        acc0 = tl.zeros_like(acc0)
+        acc1 = tl.zeros_like(acc1)
+        if UNROLL:
+            for s in tl.static_range(splits):
+                acc0 += tl.load(slots + (s * PARTS) * SLOT + cells, cache_modifier=".cg")
+                if TWO:
+                    acc1 += tl.load(slots + (s * PARTS + 1) * SLOT + cells, cache_modifier=".cg")
+        else:
+            for s in range(0, splits):
+                acc0 += tl.load(slots + (s * PARTS) * SLOT + cells, cache_modifier=".cg")
+                if TWO:
+                    acc1 += tl.load(slots + (s * PARTS + 1) * SLOT + cells, cache_modifier=".cg")
+    return acc0, acc1, last

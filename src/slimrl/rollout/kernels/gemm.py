@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimrl.rollout.kernels.common import pick, round_to
+from slimrl.rollout.kernels.common import add_slots_in_order, pick, round_to
 
 
 @triton.jit
@@ -61,9 +61,8 @@ def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_o
     `tile`), and whether this program holds them (the last of its tile to finish; the others return partial sums
     and False).
 
-    Each program stores its partial sums in its own slot of sp (fp32, [tiles, SPLIT, 2, BM, BN]) and counts itself
-    in cnt[tile] (int32, zero between launches); the last to arrive adds the slots in split order, so the sum
-    does not depend on which finished first, and zeroes the count for the next launch."""
+    The partial sums meet in sp (fp32, [tiles, SPLIT, 2, BM, BN]) and cnt (int32 [tiles], zero between launches)
+    by `common.add_slots_in_order`: the last to arrive adds them in split order."""
     acc0 = tl.zeros((BM, BN), dtype=tl.float32)
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     k_per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
@@ -75,19 +74,8 @@ def split_gemm(x_ptr, stride_xm, offs_m, m_ok, w0_ptr, offs0, w1_ptr, offs1, n_o
     if SPLIT > 1:
         cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         slots = sp_ptr + tile.to(tl.int64) * (SPLIT * 2 * BM * BN)
-        tl.store(slots + (2 * split) * (BM * BN) + cells, acc0)
-        if TWO:
-            tl.store(slots + (2 * split + 1) * (BM * BN) + cells, acc1)
-        tl.debug_barrier()  # every thread's partial sums are out before the count is released
-        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-        if last:
-            acc0 = tl.zeros((BM, BN), dtype=tl.float32)
-            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # in split order; .cg reads the other SMs' stores from L2
-                acc0 += tl.load(slots + (2 * s) * (BM * BN) + cells, cache_modifier=".cg")
-                if TWO:
-                    acc1 += tl.load(slots + (2 * s + 1) * (BM * BN) + cells, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)
+        acc0, acc1, last = add_slots_in_order(acc0, acc1, slots, cells, split, SPLIT, cnt_ptr, tile, BM * BN, 2,
+                                              TWO, True)  # fmt: skip
     return acc0, acc1, last
 
 
@@ -216,8 +204,9 @@ def produce_shrink(t, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R,
     """Producer t: chunk t % SPLITS of K for tile t // SPLITS (adapter g, PM rows) of ws [G, M, R_PAD] = x · A_gᵀ
     (fp32, zero past the rank). x [M, K] with row stride stride_xm; A_g [R, K] contiguous; the input is cast to the
     adapter's dtype first, as peft does (`lora.shrink_` does the same). With SPLITS > 1 the chunks meet in sp
-    (fp32 [tiles, SPLITS, PM, R_PAD]) and cnt (int32 [tiles], zero between launches): the last to arrive adds them
-    in chunk order. The finished tile is published in state[1]."""
+    (fp32 [tiles, SPLITS, PM, R_PAD]) and cnt (int32 [tiles], zero between launches) by
+    `common.add_slots_in_order`: the last to arrive adds them in chunk order. The finished tile is published in
+    state[1]."""
     tile = t // SPLITS
     split = t % SPLITS
     row_blocks = tl.cdiv(M, PM)
@@ -243,14 +232,8 @@ def produce_shrink(t, x_ptr, stride_xm, M, K, a0_ptr, a1_ptr, a2_ptr, ws_ptr, R,
     if SPLITS > 1:
         cells = rows[:, None] * R_PAD + offs_r[None, :]
         slots = sp_ptr + tile.to(tl.int64) * SPLITS * (PM * R_PAD)
-        tl.store(slots + split * (PM * R_PAD) + cells, acc)
-        tl.debug_barrier()  # every thread's partial sums are out before the count is released
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-        if done:
-            acc = tl.zeros((PM, R_PAD), dtype=tl.float32)
-            for s in range(0, SPLITS):  # in chunk order; .cg reads the other SMs' stores from L2
-                acc += tl.load(slots + s * (PM * R_PAD) + cells, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)
+        acc, _, done = add_slots_in_order(acc, acc, slots, cells, split, SPLITS, cnt_ptr, tile, PM * R_PAD, 1, False,
+                                          False)  # fmt: skip
     if done:
         tl.store(ws_ptr + (group * M + offs_m[:, None]) * R_PAD + offs_r[None, :], acc, mask=m_ok)
         tl.debug_barrier()  # every thread's stores are out before the tile is published

@@ -28,7 +28,15 @@ import triton
 import triton.language as tl
 
 from slimrl.rollout.kernels import runs_here
-from slimrl.rollout.kernels.common import enter, fixed_add, fixed_limit, fixed_load, pick
+from slimrl.rollout.kernels.common import (
+    add_slots_in_order,
+    enter,
+    fixed_add,
+    fixed_limit,
+    fixed_load,
+    last_to_arrive,
+    pick,
+)
 from slimrl.rollout.kernels.common import options as launch_options
 from slimrl.rollout.model.reference import add_lora_
 
@@ -170,23 +178,17 @@ def _shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, ws_ptr, sum_ptr, pz_ptr, cnt_p
     if FIXED:  # as fixed point (the same bits in any order); the last split to arrive writes the fp32 values
         poison = pz_ptr + group * M + offs_m
         fixed_add(sum_ptr + cells, poison, acc, offs_m < M, m_ok, limit)
-        tl.debug_barrier()  # every thread's atomics are issued before the count is released
         tile = pid_m * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+        if last_to_arrive(cnt_ptr, tile, tl.num_programs(2)):
             tl.store(ws_ptr + cells, fixed_load(sum_ptr + cells, poison, offs_m < M, m_ok), mask=m_ok)
-            tl.store(cnt_ptr + tile, 0)
     elif SLOTS:  # each split's partial in a slot of its own; the tile's last split to arrive adds them in order
         tile = pid_m * tl.num_programs(1) + tl.program_id(1)
         local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
-        slots = sum_ptr + (tile * tl.num_programs(2)).to(tl.int64) * (BLOCK_M * BLOCK_R) + local
-        tl.store(slots + split * (BLOCK_M * BLOCK_R), acc)
-        tl.debug_barrier()  # every thread's partial sums are out before the count is released
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for s in range(0, tl.num_programs(2)):  # in split order; .cg reads the other SMs' stores from L2
-                total += tl.load(slots + s * (BLOCK_M * BLOCK_R), cache_modifier=".cg")
+        slots = sum_ptr + (tile * tl.num_programs(2)).to(tl.int64) * (BLOCK_M * BLOCK_R)
+        total, _, last = add_slots_in_order(acc, acc, slots, local, split, tl.num_programs(2), cnt_ptr, tile,
+                                            BLOCK_M * BLOCK_R, 1, False, False)  # fmt: skip
+        if last:
             tl.store(ws_ptr + cells, total, mask=m_ok)
-            tl.store(cnt_ptr + tile, 0)
     else:  # by fp32 atomics in the zeroed workspace, in whatever order the programs finish
         tl.atomic_add(ws_ptr + cells, acc, mask=m_ok & (offs_r[None, :] < R_PAD), sem="relaxed")
 
