@@ -23,8 +23,9 @@ from tests.tolerances import assert_close
 
 @pytest.mark.parametrize("gemm", [True, False])
 def test_projection_kernels_with_spread_columns_and_chosen_row_tiles(gemm):
-    """Wave-balanced tiles (a program owns fewer columns than its tile holds) and a chosen row tile give the same
-    outputs as whole tiles: the masked lanes of each tile compute nothing that is stored or shrunk."""
+    """Wave-balanced tiles (a program owns fewer columns than its tile holds) and a chosen row tile (16, or 128
+    with most of its rows masked) give the same outputs as whole tiles: the masked lanes of each tile compute nothing
+    that is stored or shrunk."""
     from slimrl.rollout.kernels import common
 
     g = torch.Generator(device=DEVICE).manual_seed(4)
@@ -33,7 +34,7 @@ def test_projection_kernels_with_spread_columns_and_chosen_row_tiles(gemm):
     gate, up = (make_spec(g, width, HIDDEN, dtype, torch.float32, True, True, s) for s in (0.5, 1.5))
     down = make_spec(g, 48, width, dtype, torch.float32, True, True, 0.25)
     outputs = {}
-    for label, block_m, per_sm in (("whole", 0, 0), ("spread", 16, 3)):
+    for label, block_m, per_sm in (("whole", 0, 0), ("spread", 16, 3), ("tall", 128, 0)):
         ops, grouped = fused_ops(gemm, dtype)
         for buckets in ops.choices.values():
             for choice in buckets.values():
@@ -52,7 +53,8 @@ def test_projection_kernels_with_spread_columns_and_chosen_row_tiles(gemm):
         (want_down,) = project(act, (down,), add_lora_)
         assert_close(down_out.float(), want_down.float(), "bf16", name=f"down after the fused shrink, {label}")
     if DEVICE == "cpu":  # the interpreter sums each column the same way in any tile (a GPU may pick other MMAs)
-        assert torch.equal(outputs["whole"][0], outputs["spread"][0]), "the tiling changed the gate/up outputs"
+        for label in ("spread", "tall"):
+            assert torch.equal(outputs["whole"][0], outputs[label][0]), f"the {label} tiling changed gate/up's outputs"
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
