@@ -55,6 +55,18 @@ def test_tuned_files_round_trip_and_every_group_covers_every_bucket(tmp_path):
     assert fused_ops.tuned_path("NVIDIA H100 80GB HBM3").name == path.name
 
 
+def test_every_shipped_tuned_file_names_its_gpu_and_covers_every_group_and_bucket():
+    """Each GPU's file (the H100's, the H200's, ...) is found under the name its own `gpu` field maps to, and holds a
+    setting for every fused group at every row bucket, so no GPU falls back piecemeal."""
+    files = sorted(fused_ops.TUNED.glob("*.json"))
+    assert {f.name for f in files} >= {"NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json"}
+    for path in files:
+        assert fused_ops.tuned_path(json.loads(path.read_text())["gpu"]) == path, path.name
+        choices = fused_ops.load_choices(path)
+        assert set(choices) == set(fused_ops.GROUPS), path.name
+        assert all(set(buckets) == set(fused_ops.ROW_BUCKETS) for buckets in choices.values()), path.name
+
+
 def test_explicit_kernel_choices_replace_the_tuned_ones():
     choices, _ = fused_ops.choices_for(torch.device("cpu"))
     choices["o"][64] = dataclasses.replace(choices["o"][64], block_n=64)
