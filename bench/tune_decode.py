@@ -23,15 +23,22 @@ a prompt); the engine's attention launch settings are not in the tuned file (see
 `attention.launch_tiles` and `attention.context_splits`, whose choice is reported beside them), so these are
 reported only.
 
-A launch timed alone is not a decode step: confirm a new setting in the step with
-`bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` (with PDL, a step can rank settings differently).
+A launch timed alone is not a decode step: with PDL a step can rank settings differently (on the H100 the tuner's
+64-row picks made the step slower). --confirm-in-step N therefore times, for each tuned row count, the decode step of
+W1's model (live LoRA, the deterministic engine the trainers run, W2's 256-token prompts and 256 new tokens) in fresh
+engines, N times with the current settings and N times with that bucket's new entries, alternating; the new entries
+are written only where the slowest of their runs beats the fastest current one, else the bucket keeps its current
+settings (`in_step` in the JSON holds every run). `bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` times single
+settings the same way.
 
     python bench/tune_decode.py [$OUT/tune_decode.json] [--groups qkv o gate_up down attention] [--rows 8 64 256]
-                                [--attention-columns 512 1536] [--layers 28] [--choices PATH] [--tiny]
+                                [--attention-columns 512 1536] [--layers 28] [--choices PATH] [--confirm-in-step 2]
+                                [--tiny]
 
 --tiny: a small layer (hidden 96, 4 heads of 32, 2 kv heads, intermediate 80, LoRA r=8) on the CPU in Triton's
 interpreter (set TRITON_INTERPRET=1): the candidates' checks and the choosing run, the times are one wall-clock call
-each and mean nothing, and nothing is written unless --choices is given. Exit status 1 when a chosen set fails its
+each and mean nothing, and nothing is written unless --choices is given; the step confirmation runs the 2-layer W1
+family model with 64-token prompts and 8 new tokens. Exit status 1 when a chosen set fails its
 check, a group and row count has no correct candidate, or something raised.
 """
 
@@ -51,7 +58,16 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # a test loads this file by path
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import W1_LORA_RANK, W1_SHAPE, Report, default_output, environment, recorded  # noqa: E402
+from common import (  # noqa: E402
+    W1_LORA_RANK,
+    W1_SHAPE,
+    Report,
+    default_output,
+    environment,
+    model_for,
+    random_prompts,
+    recorded,
+)
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 # (gemm, block_n, block_k, warps, stages[, block_m, per_sm, split_k]); for qkv block_n = columns per RoPE half.
@@ -354,6 +370,53 @@ def tune_attention(layer: Layer, row_counts, columns, device, timings: dict) -> 
     return {f"B{r}_c{c}": {"us": us, **settings, "engine": engine[r, c]} for (r, c), (us, settings) in fastest.items()}
 
 
+def decode_step_ms(model, rows: int, choices: dict, prompt_tokens: int, new_tokens: int) -> float:
+    """ms per decode step of a fresh deterministic engine on `choices`: one rollout that compiles and captures, then
+    the faster of two timed ones (no EOS: every rollout runs new_tokens - 1 decode steps)."""
+    from slimrl.rollout.engine import RolloutEngine
+    from slimrl.rollout.sampling import SamplingParams
+
+    engine = RolloutEngine(model, max_batch_size=rows, deterministic=True, kernel_choices=copy.deepcopy(choices))
+    prompts = random_prompts(rows, prompt_tokens, model.config.vocab_size)
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
+    engine.generate(prompts, sampling, max_new_tokens=new_tokens)
+    fastest = float("inf")
+    for _ in range(2):
+        stats = engine.generate(prompts, sampling, max_new_tokens=new_tokens).stats
+        fastest = min(fastest, 1000 * stats["decode_s"] / max(1, stats["decode_steps"]))
+    engine.release(keep_graph=False)
+    return fastest
+
+
+def confirm_in_step(report: Report, args, current: dict, chosen: dict, device) -> dict:
+    """`current` with each tuned row bucket's entries from `chosen` where the decode step is faster with them (see
+    the module docstring); every run into report["in_step"]."""
+    from slimrl.rollout.fused_ops import ROW_BUCKETS
+
+    model = model_for("w1", tiny=args.tiny, device=device.type, lora_b_std=0.01).eval()
+    prompt_tokens, new_tokens = (64, 8) if args.tiny else (256, 256)  # W2's lengths (bench/rollout.py's, --tiny's)
+    confirmed, results, timed = copy.deepcopy(current), report.setdefault("in_step", {}), set()
+    for rows in args.rows:
+        bucket = min(b for b in ROW_BUCKETS if b >= rows)
+        changed = [g for g in GROUPS if chosen[g][bucket] != current[g][bucket]]
+        entry = results[f"B{rows}"] = {"bucket": bucket, "changed": changed}
+        if not changed or bucket in timed:
+            continue  # nothing new here, or this bucket was already timed at another row count
+        timed.add(bucket)
+        candidate = copy.deepcopy(current)
+        for group in changed:
+            candidate[group][bucket] = chosen[group][bucket]
+        runs = entry["step_ms"] = {"current": [], "tuned": []}
+        for _ in range(args.confirm_in_step):
+            for name, choices in (("current", current), ("tuned", candidate)):
+                runs[name].append(round(decode_step_ms(model, rows, choices, prompt_tokens, new_tokens), 4))
+        entry["kept"] = max(runs["tuned"]) < min(runs["current"])
+        if entry["kept"]:
+            for group in changed:
+                confirmed[group][bucket] = chosen[group][bucket]
+    return confirmed
+
+
 def choose(report: Report, layer: Layer, args, current: dict, best: dict, device) -> dict | None:
     """The current settings with each tuned (group, bucket) replaced by its fastest candidate, if the whole set
     passes the check at every tuned row count, on the ordinary and the deterministic path (else None, a problem)."""
@@ -389,8 +452,14 @@ def parse_args(argv) -> argparse.Namespace:
                         help="layers (weights of their own) each candidate is timed over, one launch after another "
                              "(default: W1's 28; 2 with --tiny)")  # fmt: skip
     parser.add_argument("--choices", help="where to write the chosen settings (default: the GPU's tuned file)")
+    parser.add_argument("--confirm-in-step", type=int, default=0, metavar="N",
+                        help="write a row bucket's new settings only if N decode-step runs with them all beat N "
+                             "with the current ones (0: launch timings alone decide)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a small layer, for a CPU run in Triton's interpreter")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.confirm_in_step < 0:
+        parser.error("--confirm-in-step takes a number of runs, 0 or more")
+    return args
 
 
 def main(argv=None) -> Report:
@@ -416,11 +485,16 @@ def main(argv=None) -> Report:
     report["wrong_candidates"] = [k for k, v in report["timings_us"].items() if str(v).startswith("WRONG")]
     with recorded(report, "choose"):
         chosen = choose(report, layer, args, current, best, device)
+    how = "launch by launch"
+    if chosen is not None and args.confirm_in_step:
+        with recorded(report, "in_step"):
+            chosen = confirm_in_step(report, args, current, chosen, device)
+            how += f", each row bucket's kept only if {args.confirm_in_step} decode-step runs all beat the current's"
     path = args.choices or (tuned_path(report["gpu"]) if cuda and not args.tiny else None)
     if best and chosen is not None and path is not None and not report["problems"]:
         save_choices(Path(path), chosen, report["gpu"], written_by="bench/tune_decode.py (the fastest checked "
-                     f"candidate per group and row bucket, launch by launch, rows {args.rows})",
-                     measured=Path(args.out).name)  # fmt: skip
+                     f"candidate per group and row bucket, {how}, rows {args.rows}; started from "
+                     f"{current_path.name})", measured=Path(args.out).name)  # fmt: skip
         report["choices_written"] = str(path)
     report.save()
     return report

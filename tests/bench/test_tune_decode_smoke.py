@@ -94,3 +94,55 @@ def test_a_chain_times_every_layer_and_reports_the_time_per_layer(tuner, monkeyp
         clock = iter([0.0, 0.3])
         monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock))
         assert tuner.time_us(chain) == 100000.0
+
+
+def test_confirm_in_step_times_real_engines_and_writes_only_what_the_step_kept(tuner, tmp_path, monkeypatch):
+    """--confirm-in-step 1 on the tiny model: a fresh deterministic engine with the current settings and one with the
+    bucket's new entries each run a rollout, and the file holds the new entries only if the step kept them."""
+    from slimrl.rollout.fused_ops import load_choices
+
+    monkeypatch.setitem(tuner.TUNE_CANDIDATES, "o", [(True, 16, 128, 4, 4)])  # o@16 differs from the shipped tiles
+    monkeypatch.setattr(tuner, "SHRINK_CANDIDATES", (128,))
+    out, written = tmp_path / "tune.json", tmp_path / "tuned.json"
+    report = tuner.main([str(out), "--tiny", "--groups", "o", "--rows", "5", "--choices", str(written),
+                         "--confirm-in-step", "1"])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["problems"] == [] and report.exit_status() == 0, saved.get("errors")
+    entry = saved["in_step"]["B5"]
+    assert entry["bucket"] == 16 and entry["changed"] == ["o"]
+    assert all(len(runs) == 1 and runs[0] > 0 for runs in entry["step_ms"].values()), entry
+    assert entry["kept"] == (entry["step_ms"]["tuned"][0] < entry["step_ms"]["current"][0])
+    got, shipped = load_choices(written)["o"][16], shipped_choices()["o"][16]
+    assert (got.block_n, got.num_stages, got.shrink_k) == ((16, 4, 128) if entry["kept"] else
+                                                           (shipped.block_n, shipped.num_stages, shipped.shrink_k))
+    assert "decode-step runs" in json.loads(written.read_text())["written_by"]
+
+
+@pytest.mark.parametrize("tuned_faster", [True, False])
+def test_a_bucket_keeps_its_settings_unless_every_tuned_run_beats_every_current_one(tuner, monkeypatch, tuned_faster):
+    """Row counts of one bucket are confirmed once; the new entries are kept only when the slowest tuned run is faster
+    than the fastest current one, and buckets whose entries did not change run nothing."""
+    import argparse
+    import dataclasses
+
+    current = shipped_choices()
+    chosen = {g: dict(buckets) for g, buckets in current.items()}
+    chosen["o"][16] = dataclasses.replace(current["o"][16], block_n=64)
+    calls = []
+
+    def step(model, rows, choices, prompt_tokens, new_tokens):
+        tuned = choices["o"][16].block_n == 64
+        calls.append((rows, tuned))
+        return (1.0 if tuned_faster else 1.3) if tuned else 1.2
+
+    monkeypatch.setattr(tuner, "decode_step_ms", step)
+    args = argparse.Namespace(rows=[5, 9, 40], tiny=True, confirm_in_step=2)
+    report = {}
+    confirmed = tuner.confirm_in_step(report, args, current, chosen, torch.device("cpu"))
+    assert calls == [(5, False), (5, True), (5, False), (5, True)], "one bucket, confirmed once, alternating"
+    assert report["in_step"]["B5"]["kept"] is tuned_faster
+    assert report["in_step"]["B5"]["step_ms"]["current"] == [1.2, 1.2]
+    assert "step_ms" not in report["in_step"]["B9"], "the bucket of 5 rows is not confirmed twice"
+    assert report["in_step"]["B40"] == {"bucket": 64, "changed": []}
+    assert confirmed["o"][16] == (chosen if tuned_faster else current)["o"][16]
+    assert all(confirmed[g][b] == current[g][b] for g in current for b in current[g] if (g, b) != ("o", 16))
