@@ -18,7 +18,7 @@ model of --model's family, 64-token prompts, 8 new tokens, on the CPU without a 
 skipped).
 --variants, each KEY=VALUE[,KEY=VALUE]: pdl (`kernels.common.MODE`; 0 = ordinary launches), attention_splits (an
 int), a boolean EngineOptions field, or GROUP[@ROWS].FIELD (a `KernelChoice` field in every decode row bucket, or in
-that of ROWS rows).
+that of ROWS rows). A variant named again (A B A, to see the spread) is reported as "A #2", "A #3", ....
 --repeat-prompts G: each timed batch holds batch / G distinct prompts, each G times in a row, as TRL repeats GRPO's
 prompts; with `--variants share_prompt_prefill=0` it times the engine without the shared prefill beside it.
 --prompt-tokens: the prompts' length (default 256; 64 with --tiny).
@@ -228,11 +228,15 @@ def section_variants(bench: Bench) -> None:
         if unused:  # timing it would time the engine unchanged under the variant's name
             bench.report["skipped"][f"variant {variant}"] = f"this model's decode step runs no fused {unused} kernel"
             continue
-        with recorded(bench.report, f"variant {variant}"):
+        name, repeat = variant, 1
+        while name in bench.report["engine_variants"]:  # a repeat (an A/B/A run) keeps the earlier runs' figures
+            repeat += 1
+            name = f"{variant} #{repeat}"
+        with recorded(bench.report, f"variant {name}"):
             flags, pdl = parse_variant(variant, bench.engine)
             launch.MODE = saved if pdl is None else pdl  # read at every launch: the fresh engine captures with it
             try:
-                time_fresh(bench, bench.report["engine_variants"].setdefault(variant, {}), variant, **flags)
+                time_fresh(bench, bench.report["engine_variants"].setdefault(name, {}), name, **flags)
             finally:
                 launch.MODE = saved
 

@@ -198,3 +198,28 @@ def test_a_variant_setting_a_kernel_the_model_does_not_run_is_skipped_with_the_r
     rollout.section_variants(bench)
     assert bench.report["engine_variants"] == {}
     assert "runs no fused ['down'] kernel" in bench.report["skipped"]["variant down@64.split_k=2"]
+
+
+def test_a_repeated_variant_keeps_every_runs_figures(rollout, monkeypatch, tmp_path):
+    """--variants A B A (the A/B/A order that shows the spread between runs): the second A is reported as "A #2" beside
+    the first, not over it."""
+    import argparse
+
+    timed = []
+
+    def fake_time_fresh(bench, into, label, **flags):
+        timed.append((label, flags))
+        into["B8"] = {"decode_step_ms": float(len(timed))}
+
+    monkeypatch.setattr(rollout, "time_fresh", fake_time_fresh)
+    monkeypatch.setattr(rollout, "kernel_groups", lambda engine: {"qkv", "o", "gate_up", "down"})
+    args = argparse.Namespace(variants=["deterministic=1", "pdl=0", "deterministic=1", "deterministic=1"])
+    report = rollout.common.Report(str(tmp_path / "w2.json"), skipped={})
+    bench = rollout.Bench(args, report, model=None, engine=None)
+    rollout.section_variants(bench)
+    runs = bench.report["engine_variants"]
+    assert list(runs) == ["deterministic=1", "pdl=0", "deterministic=1 #2", "deterministic=1 #3"]
+    assert [runs[k]["B8"]["decode_step_ms"] for k in runs] == [1.0, 2.0, 3.0, 4.0]
+    assert [flags for _, flags in timed] == [{"deterministic": True}, {}, {"deterministic": True},
+                                             {"deterministic": True}]  # fmt: skip
+    assert report["problems"] == [] and json.loads((tmp_path / "w2.json").read_text())["engine_variants"] == runs
