@@ -44,10 +44,8 @@ def test_fused_decode_loads_the_tuned_settings_and_describe_reports_them():
     assert described["deterministic"] and described["head_dim"] == 32 and described["kv_cache_bytes"] == 0
 
 
-def test_tuned_files_round_trip_and_every_group_covers_every_bucket(tmp_path):
+def test_tuned_files_round_trip(tmp_path):  # (what each shipped file covers: the test below)
     choices, path = fused_ops.choices_for(torch.device("cpu"))
-    assert set(choices) == set(fused_ops.GROUPS)
-    assert all(set(buckets) == set(fused_ops.ROW_BUCKETS) for buckets in choices.values())
     copy = tmp_path / "GPU.json"
     fused_ops.save_choices(copy, choices, "GPU", written_by="test")
     assert fused_ops.load_choices(copy) == choices
