@@ -27,8 +27,10 @@ A launch timed alone is not a decode step: with PDL a step can rank settings dif
 64-row picks made the step slower). --confirm-in-step N therefore times, for each tuned row count, the decode step of
 W1's model (live LoRA, the deterministic engine the trainers run, W2's 256-token prompts and 256 new tokens) in fresh
 engines, N times with the current settings and N times with that bucket's new entries, alternating; the new entries
-are written only where the slowest of their runs beats the fastest current one, else the bucket keeps its current
-settings (`in_step` in the JSON holds every run). `bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` times single
+are written only where the slowest of their runs beats the fastest current one. When they do not and more than one
+group changed, each changed group's new entry is timed alone the same way (N against N again), and of those that
+pass the one with the fastest slowest run is kept; else the bucket keeps its current settings (`in_step` in the
+JSON holds every run, `kept_groups` what was written). `bench/rollout.py --variants GROUP@ROWS.FIELD=VALUE` times single
 settings the same way.
 
     python bench/tune_decode.py [$OUT/tune_decode.json] [--groups qkv o gate_up down attention] [--rows 8 64 256]
@@ -388,9 +390,31 @@ def decode_step_ms(model, rows: int, choices: dict, prompt_tokens: int, new_toke
     return fastest
 
 
+def _alternate(model, rows, runs: int, current: dict, candidate: dict, prompt_tokens: int, new_tokens: int) -> dict:
+    """`runs` decode-step timings (ms) of each settings set, current first, alternating."""
+    timed = {"current": [], "tuned": []}
+    for _ in range(runs):
+        for name, choices in (("current", current), ("tuned", candidate)):
+            timed[name].append(round(decode_step_ms(model, rows, choices, prompt_tokens, new_tokens), 4))
+    return timed
+
+
+def _with_new(current: dict, chosen: dict, groups, bucket: int) -> dict:
+    """`current` with `groups`' entries of `bucket` from `chosen`."""
+    candidate = copy.deepcopy(current)
+    for group in groups:
+        candidate[group][bucket] = chosen[group][bucket]
+    return candidate
+
+
+def _beats(timed: dict) -> bool:
+    return max(timed["tuned"]) < min(timed["current"])
+
+
 def confirm_in_step(report: Report, args, current: dict, chosen: dict, device) -> dict:
-    """`current` with each tuned row bucket's entries from `chosen` where the decode step is faster with them (see
-    the module docstring); every run into report["in_step"]."""
+    """`current` with each tuned row bucket's entries from `chosen` where the decode step is faster with them, or
+    failing that with the one changed group's entry that is (see the module docstring); every run into
+    report["in_step"]."""
     from slimrl.rollout.fused_ops import ROW_BUCKETS
 
     model = model_for("w1", tiny=args.tiny, device=device.type, lora_b_std=0.01).eval()
@@ -403,17 +427,20 @@ def confirm_in_step(report: Report, args, current: dict, chosen: dict, device) -
         if not changed or bucket in timed:
             continue  # nothing new here, or this bucket was already timed at another row count
         timed.add(bucket)
-        candidate = copy.deepcopy(current)
-        for group in changed:
-            candidate[group][bucket] = chosen[group][bucket]
-        runs = entry["step_ms"] = {"current": [], "tuned": []}
-        for _ in range(args.confirm_in_step):
-            for name, choices in (("current", current), ("tuned", candidate)):
-                runs[name].append(round(decode_step_ms(model, rows, choices, prompt_tokens, new_tokens), 4))
-        entry["kept"] = max(runs["tuned"]) < min(runs["current"])
-        if entry["kept"]:
+        entry["step_ms"] = _alternate(model, rows, args.confirm_in_step, current,
+                                      _with_new(current, chosen, changed, bucket), prompt_tokens, new_tokens)
+        entry["kept"] = _beats(entry["step_ms"])
+        kept = changed if entry["kept"] else []
+        if not kept and len(changed) > 1:
+            alone = entry["alone"] = {}
             for group in changed:
-                confirmed[group][bucket] = chosen[group][bucket]
+                alone[group] = _alternate(model, rows, args.confirm_in_step, current,
+                                          _with_new(current, chosen, [group], bucket), prompt_tokens, new_tokens)
+            passing = [g for g in changed if _beats(alone[g])]
+            kept = [min(passing, key=lambda g: max(alone[g]["tuned"]))] if passing else []
+        entry["kept_groups"] = kept
+        for group in kept:
+            confirmed[group][bucket] = chosen[group][bucket]
     return confirmed
 
 
@@ -454,7 +481,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--choices", help="where to write the chosen settings (default: the GPU's tuned file)")
     parser.add_argument("--confirm-in-step", type=int, default=0, metavar="N",
                         help="write a row bucket's new settings only if N decode-step runs with them all beat N "
-                             "with the current ones (0: launch timings alone decide)")  # fmt: skip
+                             "with the current ones, else at most one changed group's that does alone (0: launch "
+                             "timings alone decide)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a small layer, for a CPU run in Triton's interpreter")
     args = parser.parse_args(argv)
     if args.confirm_in_step < 0:
@@ -489,7 +517,9 @@ def main(argv=None) -> Report:
     if chosen is not None and args.confirm_in_step:
         with recorded(report, "in_step"):
             chosen = confirm_in_step(report, args, current, chosen, device)
-            how += f", each row bucket's kept only if {args.confirm_in_step} decode-step runs all beat the current's"
+            runs = args.confirm_in_step
+            how += (f", each row bucket's kept only if {runs} decode-step runs all beat the current's (else its "
+                    "one changed group that does, timed alone)")
     path = args.choices or (tuned_path(report["gpu"]) if cuda and not args.tiny else None)
     if best and chosen is not None and path is not None and not report["problems"]:
         save_choices(Path(path), chosen, report["gpu"], written_by="bench/tune_decode.py (the fastest checked "

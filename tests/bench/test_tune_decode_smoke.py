@@ -146,3 +146,35 @@ def test_a_bucket_keeps_its_settings_unless_every_tuned_run_beats_every_current_
     assert report["in_step"]["B40"] == {"bucket": 64, "changed": []}
     assert confirmed["o"][16] == (chosen if tuned_faster else current)["o"][16]
     assert all(confirmed[g][b] == current[g][b] for g in current for b in current[g] if (g, b) != ("o", 16))
+
+
+@pytest.mark.parametrize("alone_ms", [{"o": 1.0, "gate_up": 1.1}, {"o": 1.25, "gate_up": 1.3}])
+def test_a_bucket_the_step_rejects_whole_keeps_its_fastest_group_that_passes_alone(tuner, monkeypatch, alone_ms):
+    """Two groups changed in one bucket and the step is slower with both: each is timed alone against the current
+    settings, and only the group whose slowest run is fastest among those that beat every current run is written."""
+    import argparse
+    import dataclasses
+
+    current = shipped_choices()
+    chosen = {g: dict(buckets) for g, buckets in current.items()}
+    chosen["o"][16] = dataclasses.replace(current["o"][16], block_n=64)
+    chosen["gate_up"][16] = dataclasses.replace(current["gate_up"][16], num_stages=7)
+    calls = []
+
+    def step(model, rows, choices, prompt_tokens, new_tokens):
+        new = tuple(g for g in ("o", "gate_up") if choices[g][16] == chosen[g][16])
+        calls.append(new)
+        return {(): 1.2, ("o", "gate_up"): 1.3}.get(new) or alone_ms[new[0]]
+
+    monkeypatch.setattr(tuner, "decode_step_ms", step)
+    report = {}
+    args = argparse.Namespace(rows=[8], tiny=True, confirm_in_step=2)
+    confirmed = tuner.confirm_in_step(report, args, current, chosen, torch.device("cpu"))
+    entry = report["in_step"]["B8"]
+    assert calls == [(), ("o", "gate_up")] * 2 + [(), ("o",)] * 2 + [(), ("gate_up",)] * 2
+    assert entry["kept"] is False and entry["changed"] == ["o", "gate_up"]
+    assert entry["alone"]["o"] == {"current": [1.2, 1.2], "tuned": [alone_ms["o"]] * 2}
+    passing = alone_ms["o"] < 1.2
+    assert entry["kept_groups"] == (["o"] if passing else [])
+    assert confirmed["o"][16] == (chosen if passing else current)["o"][16]
+    assert confirmed["gate_up"][16] == current["gate_up"][16], "a group kept alone does not bring the other along"
