@@ -21,7 +21,8 @@ Flags soak.py does not know go to every demo run (checked against the demo's par
 every few seconds while the runs go; --time-limit stops the runs still going after that many seconds (their
 partial curves are kept). Each run's output (log.txt, metrics.json, adapter, plot) is in --runs-dir/run<i>_seed<s>/
 (default a new folder under /tmp: the device machine returns only a few files from $OUT); the JSON holds what the
-report needs, with the end of the log of each run that did not finish cleanly.
+report needs, with the end of the log of each run that did not finish cleanly; a failed run's line under PROBLEM
+ends with the exception its log ends with (a model not installed on a fresh machine, say).
 The exit status is 1 when a run failed, timed out or stopped on a non-finite step, or soak.py itself raised (the
 traceback is in the JSON).
 """
@@ -319,8 +320,18 @@ def problems(runs: list[dict], engine_expected: bool) -> list[str]:
             found.append(f"run {r['index']} (seed {r['seed']}) stopped: NonFiniteError at step "
                          f"{r['nonfinite']['raised_at_step']}")  # fmt: skip
         elif r.get("status") != "ok":
-            found.append(f"run {r['index']} (seed {r['seed']}): {r.get('status')} (exit {r.get('exit_code')})")
+            why = last_error(r.get("log_tail", "")) if r.get("status") == "failed" else ""
+            found.append(f"run {r['index']} (seed {r['seed']}): {r.get('status')} (exit {r.get('exit_code')})"
+                         + (f": {why}" if why else ""))  # fmt: skip
     return found
+
+
+def last_error(tail: str) -> str:
+    """The exception line a failed run's log ends with (`Name: message` after a traceback), else ''."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not any(line.startswith("Traceback") for line in lines):
+        return ""
+    return next((line for line in reversed(lines) if not line.startswith(("File ", "^", "~")) and ":" in line), "")
 
 
 # -- main --------------------------------------------------------------------------------------------------------

