@@ -6,13 +6,12 @@ the forward (its saved storages through the graphs' buffers)."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from slimrl.models import graph_policy, layer_graphs
+from slimrl.models import layer_graphs
 from slimrl.models.checkpointing import enable_offloaded_checkpointing, offload_state
 from slimrl.models.graph_keys import global_state, kwargs_signature, layer_state
 from slimrl.testing import tiny_model
@@ -98,62 +97,6 @@ def test_a_key_is_captured_the_second_time_and_counts_stay_bounded():
     assert graphs.entries[("forward", "shape", 2, "state", "switches", ())] == "eager"
     assert graphs.idle == layer_graphs.KEPT_COUNTS * 2 + 5  # every pass so far ran eagerly
     assert graphs._entry(None) is None and graphs.idle == layer_graphs.KEPT_COUNTS * 2 + 6  # no key: eager
-
-
-def test_a_shape_whose_graphs_went_unpaid_for_waits_longer_and_one_that_paid_goes_back():
-    uses = graph_policy.ShapeUses()
-    assert uses.capture_after("a") == graph_policy.CAPTURE_AFTER == 2
-    for expected in (4, 8, 16, 32, 32):  # captured, let go without a replay: doubled each time, up to 32
-        uses.captured("a")
-        uses.let_go("a")
-        assert uses.capture_after("a") == expected
-    for _ in range(3):  # three captures, three replays: paid for
-        uses.captured("a")
-        uses.replayed("a")
-    uses.let_go("a")
-    assert uses.capture_after("a") == 2 and not uses.kept
-    uses.let_go("never captured")  # no graphs, nothing learned
-    assert uses.capture_after("never captured") == 2 and not uses.cold
-
-
-def churn(graphs, layers: int, shapes: list, rounds: int) -> None:
-    """Steps cycling through `shapes`, each a forward and a backward pass per layer, as LayerGraphs.forward and
-    .backward meet them: `_entry`, then a due capture makes room for its shape's buffers (`_statics`) and is counted
-    as `_capture` counts a success; a graph is replayed."""
-    for _ in range(rounds):
-        for shape in shapes:
-            for kind in ("forward", "backward"):
-                for layer in range(layers):
-                    key = (kind, shape, layer, "state", "switches", ())
-                    entry = graphs._entry(key)
-                    if entry == "capture":
-                        statics = graphs._statics(key, {})
-                        graphs.captures += 1
-                        graphs.uses.captured(shape)
-                        graphs.idle = 0
-                        graphs.entries[key] = layer_graphs.Graph(None, statics)
-                    elif entry is not None:
-                        graphs.replays += 1
-
-
-@pytest.mark.parametrize("backoff", [0, graph_policy.MAX_BACKOFF])
-def test_shapes_that_churn_are_captured_less_and_replayed_more(monkeypatch, backoff):
-    # three shapes in turn, two kept: with a fixed 2, each capture lets go of a shape before it replays
-    monkeypatch.setattr(graph_policy, "MAX_BACKOFF", backoff)
-    monkeypatch.setattr(layer_graphs, "Statics", lambda kwargs, stream: object())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(synchronize=lambda: None))
-    graphs, layers = layer_graphs.LayerGraphs(max_shapes=2), 3
-    churn(graphs, layers, ["A", "B", "C"], rounds=4)
-    if backoff:
-        # A, B and C captured in round 2 (A let go for C's, unreplayed: it now waits for 4 sightings), B and C
-        # replayed in rounds 3 and 4
-        assert (graphs.captures, graphs.replays) == (3 * 2 * layers, 4 * 2 * layers)
-        assert graphs.uses.cold == {"A": 1}
-    else:
-        # round 2 as above; round 3: A seen once since it went, B and C replayed; round 4: A captured (letting B
-        # go), B seen once since, C replayed
-        assert (graphs.captures, graphs.replays) == (4 * 2 * layers, 3 * 2 * layers)
-    assert graphs.releases == 0
 
 
 def test_on_a_cpu_the_setting_changes_nothing():
@@ -299,21 +242,3 @@ def test_passes_over_the_token_bound_stay_eager(monkeypatch):
         assert_equal_steps(*[step(model, ids, torch.ones_like(ids)) for model in (eager, graphed)], f"step {number}")
     graphs = offload_state(graphed).graphs
     assert graphs is None or (graphs.captures == 0 and graphs.replays == 0)
-
-
-@pytest.mark.cuda
-def test_churning_shapes_train_as_eagerly_and_a_shape_let_go_unpaid_waits():
-    # three lengths in turn with two shapes kept (GRPO's padded lengths change from step to step): the counts
-    # test_shapes_that_churn_are_captured_less_and_replayed_more works out, on the real passes
-    eager, graphed = cuda_pair("qwen2", torch.bfloat16)
-    state = offload_state(graphed)
-    layers = len(decoder_layers(graphed))
-    generator = torch.Generator().manual_seed(4)
-    for number in range(12):
-        ids = torch.randint(3, 100, (2, 12 + number % 3), generator=generator).cuda()
-        mask = torch.ones_like(ids)
-        assert_equal_steps(*[step(model, ids, mask) for model in (eager, graphed)], f"step {number}")
-    graphs = state.graphs
-    assert graphs.failures == 0 and graphs.releases == 0
-    assert (graphs.captures, graphs.replays) == (3 * 2 * layers, 4 * 2 * layers)
-    assert list(graphs.uses.cold.values()) == [1]  # the first length, let go for the third's buffers

@@ -2,12 +2,12 @@
 recompute-and-backward, each replayed as one graph launch once the same shapes come back.
 
 A short sequence's step is host-bound (W1 at 1,024 tokens: 240 ms of kernels in a 400 ms step, about 8,000 launches,
-nearly all in the layer passes); one graph launch replays a pass whose shapes came back.
+nearly all in the layer passes); a pass's work is the same whenever its shapes are, so one graph launch replays it.
 
 How a pass runs (`LayerGraphs.forward` / `.backward`, for the split, Llama-family layers on CUDA):
-- Its key (models/graph_keys.py) holds what a replay would not see change. A key seen once runs eagerly; the second
-  time (later for a shape whose graphs went unpaid for: models/graph_policy.py) the pass runs eagerly and is then
-  captured (one warm-up per capturing thread makes the stream's lazy state first); from then on it is replayed.
+- Its key (models/graph_keys.py) holds what a replay would not see change. A key seen once runs eagerly (a shape that
+  never comes back costs no capture); the second time the pass runs eagerly and is then captured (the capture runs
+  nothing; one warm-up per capturing thread makes the stream's lazy state first); from then on it is replayed.
 - Inputs are copied into static buffers (one set per shape, shared by the layers and the two passes; the rotary
   tables once per forward pass); the result goes into a static buffer outside the graphs' private pool and is cloned
   after the replay, so it never aliases memory a later replay writes. The pool, shared by the model's graphs, is only
@@ -41,11 +41,11 @@ import torch
 from slimrl.models import attention_store, kept_buffers, recompute
 from slimrl.models.graph_capture import Graph, Statics, aliased, captured, flat_layout, totals
 from slimrl.models.graph_keys import global_state, kwargs_signature, layer_state, tensor_signature
-from slimrl.models.graph_policy import ShapeUses
 from slimrl.models.recompute import RecomputeState, Weights
 
 logger = logging.getLogger(__name__)
 
+CAPTURE_AFTER = 2  # a key runs eagerly until it is seen this many times, then it is captured and replayed
 KEPT_COUNTS = 64  # keys counted but not captured, per layer, before the counts start again
 # Longer passes run eagerly: their launches hide behind their kernels, and the static buffers grow with them. W1 on an
 # H100 at 16,640 tokens a pass: 4.13 s graphed, 4.16 eager; at 33,280: 10.77 s and +0.19 GiB graphed, 10.71 eager.
@@ -116,9 +116,9 @@ class LayerGraphs:
         self.failures = 0
         self.releases = 0
         self.layers: set[int] = set()  # the layers seen (ids)
-        self.uses = ShapeUses()  # when a shape is worth capturing
         self.idle = 0  # passes run eagerly since the last replay
-        # layers whose next forward runs eagerly (their backward met a replayed forward's record: no stored graph)
+        # layers whose next forward must run eagerly: their backward ran eagerly on a replayed forward's attention
+        # record, which holds no stored graph (a capture of the backward needs one)
         self.unrecorded: set[int] = set()
 
     # -- the two passes -------------------------------------------------------------------------------------------
@@ -297,7 +297,6 @@ class LayerGraphs:
         if isinstance(found, Graph):
             self.shapes.move_to_end(key[1])
             self.idle = 0
-            self.uses.replayed(key[1])
             return found
         self.ran_eagerly()
         if found == "eager":
@@ -305,7 +304,7 @@ class LayerGraphs:
         if found == 0 and len(self.entries) > KEPT_COUNTS * len(self.layers):  # shapes seen once, long ago
             self.entries = {k: v for k, v in self.entries.items() if not isinstance(v, int)}
         self.entries[key] = found + 1
-        return "capture" if found + 1 >= self.uses.capture_after(key[1]) else None
+        return "capture" if found + 1 >= CAPTURE_AFTER else None
 
     def ran_eagerly(self) -> None:
         """Count a pass that replayed nothing; once every layer has run both passes so, the graphs are out of use
@@ -317,8 +316,6 @@ class LayerGraphs:
     def release(self) -> None:
         torch.cuda.current_stream().synchronize()  # no replay of a graph let go is still running
         # the counts stay: a shape the passes moved on to is captured when it comes back, as before
-        for shape in self.shapes:
-            self.uses.let_go(shape)
         self.entries = {k: v for k, v in self.entries.items() if not isinstance(v, Graph)}
         self.shapes, self.pool, self.idle = OrderedDict(), None, 0
         self.releases += 1
@@ -330,7 +327,6 @@ class LayerGraphs:
             while len(self.shapes) >= self.max_shapes:
                 torch.cuda.current_stream().synchronize()  # no replay of a graph let go is still running
                 old, _ = self.shapes.popitem(last=False)
-                self.uses.let_go(old)
                 self.entries = {k: v for k, v in self.entries.items() if k[1] != old}
             statics = self.shapes[shape] = Statics(kwargs, torch.cuda.current_stream())
         self.shapes.move_to_end(shape)
@@ -394,6 +390,6 @@ class LayerGraphs:
                            key[0], type(error).__name__, error)  # fmt: skip
             return None
         self.captures += 1
-        self.uses.captured(key[1])
         self.idle = 0
         return graph
+
