@@ -14,8 +14,15 @@ runs logged identical curves (reward, loss, completion length per step). The env
 transformers, peft, trl, triton) is recorded; a markdown table for docs/benchmarks.md is printed at the end.
 
     python bench/soak.py $OUT/soak.json [--runs 5] [--steps 100] [--seeds 0 1 2 3 4] [--parallel N] [--device cuda]
-        [--model SmolLM2-135M-Instruct] [--time-limit SECONDS] [--runs-dir DIR]
+        [--model SmolLM2-135M-Instruct] [--time-limit SECONDS] [--runs-dir DIR] [--variants NAME=FLAGS ...]
         [demo flags, e.g. --generation-backend transformers]
+
+--variants runs every seed once per variant, each with its own demo flags besides the common ones, e.g. an A/B of
+the layer graphs: `--variants graphs= eager=--no-layer-cuda-graphs --parallel 1 --gradient-checkpointing`. The
+variants of a seed run in turn, in the given order for the first seed, reversed for the second, and so on (so that
+a warm-up or a drift does not always fall on the same variant); with --parallel 1 they do not share the device.
+The summary gives each variant's training-phase seconds (the median of its runs' medians, and the sum over its runs
+of every step but the first), and the same-seed check then says whether the variants trained identically.
 
 Flags soak.py does not know go to every demo run (checked against the demo's parser first). The JSON is rewritten
 every few seconds while the runs go; --time-limit stops the runs still going after that many seconds (their
@@ -87,6 +94,10 @@ def nonfinite_events(metrics: dict, history: list[dict]) -> dict:
     }
 
 
+def after_first_sum(values: list) -> float | None:
+    return sum(values[1:]) if len(values) > 1 else None
+
+
 def spread(values: list) -> dict:
     return {"median": median(values), "max": max(values) if values else None}
 
@@ -115,6 +126,7 @@ def run_numbers(metrics: dict) -> dict:
         "generation_s": spread([h["generation_s"] for h in history if "generation_s" in h]),
         "reward_s": spread([h["reward_s"] for h in history if "reward_s" in h]),
         "training_s": spread([h["training_s"] for h in history if "training_s" in h]),
+        "training_s_after_first": after_first_sum([h["training_s"] for h in history if "training_s" in h]),
         "step_time_s": spread([h["step_time"] for h in history if "step_time" in h]),
         "rollout_engine_used": metrics.get("rollout_engine_used"),
         "layer_graphs": metrics.get("layer_graphs"),  # captured / replayed layer passes (None: none made)
@@ -138,7 +150,7 @@ def read_metrics(path: Path) -> dict | None:
 def demo_command(args, run: dict) -> list[str]:
     own = ["--model", args.model, "--device", args.device, "--seed", str(run["seed"]), "--steps", str(args.steps),
            "--output-dir", run["dir"]]  # fmt: skip
-    return [sys.executable, "-m", "slimrl.cli", "demo", *own, *args.demo_args]
+    return [sys.executable, "-m", "slimrl.cli", "demo", *own, *args.demo_args, *run.get("variant_args", [])]
 
 
 def child_env(args) -> dict:
@@ -281,7 +293,24 @@ def summarise(runs: list[dict]) -> dict:
         "accuracy_before_mean": mean(r["accuracy_before"] for r in finished),
         "accuracy_after_mean": mean(r["accuracy_after"] for r in finished),
         "same_seed": same_seed_runs(runs),
+        "variants": variant_times(runs),
     }
+
+
+def variant_times(runs: list[dict]) -> dict:
+    """Per variant (--variants): its runs' training-phase seconds, the median of their medians and the sum of every
+    step but each run's first."""
+    by_variant: dict[str, list[dict]] = {}
+    for run in runs:
+        if "variant" in run:
+            by_variant.setdefault(run["variant"], []).append(run)
+    result = {}
+    for name, group in by_variant.items():
+        medians = [r["training_s"]["median"] for r in group if (r.get("training_s") or {}).get("median") is not None]
+        sums = [r["training_s_after_first"] for r in group if r.get("training_s_after_first") is not None]
+        result[name] = {"runs": [r["index"] for r in group], "training_s_median": median(medians),
+                        "training_s_after_first_sum": sum(sums) if len(sums) == len(group) else None}  # fmt: skip
+    return result
 
 
 def pair(a, b, digits: int = 2, joint: str = " -> ") -> str | None:
@@ -295,12 +324,13 @@ def median_max(phase: dict | None) -> str | None:
 
 
 def table(report: Report) -> str:
-    header = ["run", "seed", "status", "steps", "accuracy before -> after", "reward first 5 -> last 5",
+    varied = ["variant"] if any("variant" in r for r in report["runs"]) else []
+    header = ["run", "seed", *varied, "status", "steps", "accuracy before -> after", "reward first 5 -> last 5",
               "gen s median / max", "train s median / max", "mean length", "non-finite", "collapsed"]  # fmt: skip
     rows = []
     for r in report["runs"]:
         length = r.get("completion_length_mean")
-        rows.append([r["index"], r["seed"], r.get("status"), r.get("steps_done"),
+        rows.append([r["index"], r["seed"], *[r.get(v) for v in varied], r.get("status"), r.get("steps_done"),
                      pair(r.get("accuracy_before"), r.get("accuracy_after")),
                      pair(r.get("reward_first5"), r.get("reward_last5")),
                      median_max(r.get("generation_s")), median_max(r.get("training_s")),
@@ -350,25 +380,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="the demo's --model (tiny: a smoke run)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop runs still going after this many s")
     parser.add_argument("--runs-dir", default=None, help="where each run writes (default: a new folder in /tmp)")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME=FLAGS",
+                        help="run each seed once per variant, adding its demo flags (see above)")  # fmt: skip
     args, args.demo_args = parser.parse_known_args(argv)
     if not args.out.endswith(".json"):  # a demo flag's value taken for the path: the path must come first
         parser.error(f"the first argument is the report's path and must end in .json, got {args.out!r}")
     if args.seeds is None:
         args.seeds = list(range(args.runs))
-    args.runs = len(args.seeds)
+    args.variants = parse_variants(parser, args.variants)
+    args.runs = len(args.seeds) * max(1, len(args.variants))
     args.parallel = min(args.parallel or args.runs, args.runs)
     if min(args.runs, args.steps, args.parallel) < 1:
         parser.error("--runs, --steps and --parallel must be at least 1")
-    for flag in args.demo_args:
-        if flag.split("=")[0] in OWN_FLAGS:
-            parser.error(f"{flag} is soak.py's own setting for each run; use soak.py's option")
     from slimrl.cli import build_parser
 
-    try:
-        build_parser().parse_args(["demo", *args.demo_args])  # a bad demo flag fails here, not in every run
-    except SystemExit:
-        parser.error(f"the demo does not take {shlex.join(args.demo_args)} (see python -m slimrl.cli demo --help)")
+    for extra in [[]] + [flags for _, flags in args.variants]:
+        flags = [*args.demo_args, *extra]
+        for flag in flags:
+            if flag.split("=")[0] in OWN_FLAGS:
+                parser.error(f"{flag} is soak.py's own setting for each run; use soak.py's option")
+        try:
+            build_parser().parse_args(["demo", *flags])  # a bad demo flag fails here, not in every run
+        except SystemExit:
+            parser.error(f"the demo does not take {shlex.join(flags)} (see python -m slimrl.cli demo --help)")
     return args
+
+
+def parse_variants(parser: argparse.ArgumentParser, given: list[str] | None) -> list[tuple[str, list[str]]]:
+    """--variants NAME=FLAGS ... as (name, demo flags); [] without the option."""
+    variants = []
+    for item in given or []:
+        name, equals, flags = item.partition("=")
+        if not equals or not name.strip():
+            parser.error(f"a variant is NAME=FLAGS (FLAGS may be empty, as in 'graphs='), got {item!r}")
+        variants.append((name.strip(), shlex.split(flags)))
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        parser.error(f"variant names must differ, got {names}")
+    return variants
+
+
+def planned_runs(args, folder: Path) -> list[dict]:
+    """One run per seed, or per seed and variant: a seed's variants in the given order, reversed every other seed."""
+    if not args.variants:
+        return [{"index": i, "seed": seed, "status": "waiting", "dir": str(folder / f"run{i}_seed{seed}")}
+                for i, seed in enumerate(args.seeds)]  # fmt: skip
+    runs = []
+    for number, seed in enumerate(args.seeds):
+        for name, flags in args.variants if number % 2 == 0 else args.variants[::-1]:
+            i = len(runs)
+            runs.append({"index": i, "seed": seed, "variant": name, "variant_args": flags, "status": "waiting",
+                         "dir": str(folder / f"run{i}_seed{seed}_{name}")})  # fmt: skip
+    return runs
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -382,11 +445,11 @@ def main(argv: list[str] | None = None) -> Report:
         report.update(environment(args.device == "cuda"))
         report["settings"] = {"runs": args.runs, "steps": args.steps, "seeds": args.seeds, "parallel": args.parallel,
                               "device": args.device, "model": args.model, "demo_args": args.demo_args,
-                              "time_limit_s": args.time_limit}  # fmt: skip
+                              "time_limit_s": args.time_limit,
+                              "variants": {name: flags for name, flags in args.variants}}  # fmt: skip
         folder = Path(args.runs_dir or tempfile.mkdtemp(prefix="slimrl-soak-")).resolve()
         report["settings"]["runs_dir"] = str(folder)
-        report["runs"] = [{"index": i, "seed": seed, "status": "waiting", "dir": str(folder / f"run{i}_seed{seed}")}
-                          for i, seed in enumerate(args.seeds)]  # fmt: skip
+        report["runs"] = planned_runs(args, folder)
         report.save()
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still stop the runs, save
         try:
@@ -399,8 +462,11 @@ def main(argv: list[str] | None = None) -> Report:
         report["runs"] = rounded(report["runs"])
         report["table"] = table(report)
         print(report["table"])
-        counts = {k: v for k, v in report["summary"].items() if k != "same_seed"}
+        counts = {k: v for k, v in report["summary"].items() if k not in ("same_seed", "variants")}
         print(f"\nsummary: {counts}")
+        for name, times in report["summary"]["variants"].items():
+            print(f"variant {name} (runs {times['runs']}): training s median {times['training_s_median']}, "
+                  f"sum after each run's first step {times['training_s_after_first_sum']}")  # fmt: skip
         for check in report["summary"]["same_seed"]:
             print(f"seed {check['seed']} (runs {check['runs']}): identical curves: {check['identical_curves']}")
     report.print_outcome()

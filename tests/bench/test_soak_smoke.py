@@ -1,6 +1,7 @@
 """bench/soak.py on the CPU: demo runs as concurrent subprocesses on a tiny model, each reported with its curves and
-step times; runs of one seed are compared; a failing or timed-out run is recorded and makes the exit status 1; the
-collapse and non-finite checks read the demo's metrics as documented."""
+step times; runs of one seed are compared; --variants runs each seed once per variant, in turns, with the variant's
+flags, and sums each variant's training seconds; a failing or timed-out run is recorded and makes the exit status 1;
+the collapse and non-finite checks read the demo's metrics as documented."""
 
 from __future__ import annotations
 
@@ -24,31 +25,6 @@ def soak():
     return module
 
 
-def test_tiny_runs_side_by_side_report_curves_times_and_same_seed_determinism(soak, tmp_path, capsys):
-    out = tmp_path / "soak.json"
-    report = soak.main([str(out), "--model", "tiny", "--runs", "2", "--steps", "2", "--seeds", "0", "0",
-                        "--runs-dir", str(tmp_path / "runs"), *FAST_DEMO])  # fmt: skip
-    saved = json.loads(out.read_text())
-    assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
-    assert saved["settings"]["demo_args"] == FAST_DEMO and saved["settings"]["device"] == "cpu"
-    assert set(saved["versions"]) >= {"torch", "transformers", "peft", "trl", "triton"} and saved["gpu"] == "cpu"
-    for run in saved["runs"]:
-        assert run["status"] == "ok" and run["exit_code"] == 0 and run["steps_done"] == 2, run
-        metrics = json.loads((Path(run["dir"]) / "metrics.json").read_text())  # what the demo run saved
-        assert run["rewards"] == [entry["reward"] for entry in metrics["history"]] and len(run["rewards"]) == 2
-        assert run["reward_first5"] == pytest.approx(sum(run["rewards"]) / 2)  # 2 steps: the mean of both
-        assert run["generation_s"]["median"] > 0 and run["training_s"]["max"] >= run["training_s"]["median"] > 0
-        assert run["accuracy_before"] == metrics["accuracy_before"]["accuracy"]
-        assert run["accuracy_after"] == metrics["accuracy_after"]["accuracy"]
-        assert run["completion_length_mean"] > 0 and run["nonfinite_event"] is False
-        assert (Path(run["dir"]) / "metrics.json").is_file()
-    assert saved["summary"]["runs"] == saved["summary"]["finished"] == 2 and saved["summary"]["failed"] == 0
-    (check,) = saved["summary"]["same_seed"]
-    assert check["runs"] == [0, 1] and check["identical_curves"] is True  # the CPU run is deterministic
-    printed = capsys.readouterr().out
-    assert "| run | seed | status |" in printed and printed.count("| ok |") == 2
-
-
 def test_a_failing_and_a_timed_out_run_are_recorded_with_exit_status_1(soak, tmp_path):
     failing = soak.main([str(tmp_path / "fail.json"), "--model", str(tmp_path / "no-such-model"), "--runs", "1",
                          "--steps", "1", "--device", "cpu", "--runs-dir", str(tmp_path / "a")])  # fmt: skip
@@ -70,6 +46,59 @@ def test_flags_the_demo_does_not_take_are_refused_before_any_run(soak, tmp_path)
         soak.parse_args([str(tmp_path / "s.json"), "--seed", "3"])  # soak.py's own setting
     args = soak.parse_args([str(tmp_path / "s.json"), "--seeds", "4", "4", "--generation-backend", "transformers"])
     assert args.runs == 2 and args.parallel == 2 and args.demo_args == ["--generation-backend", "transformers"]
+
+
+def test_tiny_runs_report_curves_and_times_and_variants_take_turns_with_their_own_flags(soak, tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    report = soak.main([str(out), "--model", "tiny", "--seeds", "0", "1", "--steps", "2", "--parallel", "2",
+                        "--variants", "graphs=", "eager=--no-layer-cuda-graphs", "--runs-dir", str(tmp_path / "runs"),
+                        *FAST_DEMO])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert report.exit_status() == 0 and saved["problems"] == [], saved["problems"]
+    assert saved["settings"]["runs"] == 4 and saved["settings"]["variants"] == {
+        "graphs": [], "eager": ["--no-layer-cuda-graphs"]}
+    assert saved["settings"]["demo_args"] == FAST_DEMO and saved["settings"]["device"] == "cpu"
+    assert set(saved["versions"]) >= {"torch", "transformers", "peft", "trl", "triton"} and saved["gpu"] == "cpu"
+    runs = saved["runs"]
+    # seed 0: the given order; seed 1: reversed
+    assert [(r["seed"], r["variant"]) for r in runs] == [(0, "graphs"), (0, "eager"), (1, "eager"), (1, "graphs")]
+    for run in runs:
+        assert run["status"] == "ok" and run["exit_code"] == 0 and run["steps_done"] == 2, run
+        assert run["dir"].endswith(f"_seed{run['seed']}_{run['variant']}")
+        metrics = json.loads((Path(run["dir"]) / "metrics.json").read_text())  # what the demo run saved
+        assert run["rewards"] == [entry["reward"] for entry in metrics["history"]] and len(run["rewards"]) == 2
+        assert run["reward_first5"] == pytest.approx(sum(run["rewards"]) / 2)  # 2 steps: the mean of both
+        assert run["generation_s"]["median"] > 0 and run["training_s"]["max"] >= run["training_s"]["median"] > 0
+        assert run["accuracy_before"] == metrics["accuracy_before"]["accuracy"]
+        assert run["accuracy_after"] == metrics["accuracy_after"]["accuracy"]
+        assert run["completion_length_mean"] > 0 and run["nonfinite_event"] is False
+        assert run["command"].endswith("--no-layer-cuda-graphs") == (run["variant"] == "eager"), run["command"]
+        steps = metrics["history"]
+        assert run["training_s_after_first"] == pytest.approx(steps[1]["training_s"], abs=1e-4)  # 2 steps: the 2nd's
+    times = saved["summary"]["variants"]
+    assert times["graphs"]["runs"] == [0, 3] and times["eager"]["runs"] == [1, 2]
+    for name in ("graphs", "eager"):
+        group = [r for r in runs if r["variant"] == name]
+        assert times[name]["training_s_after_first_sum"] == pytest.approx(
+            sum(r["training_s_after_first"] for r in group), abs=1e-3)
+        assert times[name]["training_s_median"] > 0
+    # on the CPU the layer graphs do not apply: each seed's two variants trained identically
+    assert saved["summary"]["runs"] == saved["summary"]["finished"] == 4 and saved["summary"]["failed"] == 0
+    assert [(c["runs"], c["identical_curves"]) for c in saved["summary"]["same_seed"]] == [([0, 1], True),
+                                                                                          ([2, 3], True)]
+    printed = capsys.readouterr().out
+    assert "| run | seed | variant | status |" in printed and printed.count("| ok |") == 4
+    assert "variant graphs (runs [0, 3])" in printed
+
+
+def test_bad_variants_are_refused_before_any_run(soak, tmp_path):
+    out = str(tmp_path / "s.json")
+    for bad in (["noequals"], ["=--no-layer-cuda-graphs"], ["a=", "a=--no-layer-cuda-graphs"],
+                ["a=--generation-backend vllm"], ["a=--seed 3"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            soak.parse_args([out, "--variants", *bad])
+    args = soak.parse_args([out, "--seeds", "5", "--variants", "a=", "b=--learning-rate 0.001"])
+    assert args.variants == [("a", []), ("b", ["--learning-rate", "0.001"])] and args.runs == 2
 
 
 def history(rewards, lengths, **extra):
