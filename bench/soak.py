@@ -94,10 +94,6 @@ def nonfinite_events(metrics: dict, history: list[dict]) -> dict:
     }
 
 
-def after_first_sum(values: list) -> float | None:
-    return sum(values[1:]) if len(values) > 1 else None
-
-
 def spread(values: list) -> dict:
     return {"median": median(values), "max": max(values) if values else None}
 
@@ -105,6 +101,7 @@ def spread(values: list) -> dict:
 def run_numbers(metrics: dict) -> dict:
     """What a run measured, from its (possibly partial) metrics.json."""
     history = metrics.get("history", [])
+    training = [h["training_s"] for h in history if "training_s" in h]
     rewards = [h.get("reward") for h in history]
     lengths = [h.get("completions/mean_length") for h in history]
     nonfinite = nonfinite_events(metrics, history)
@@ -125,8 +122,8 @@ def run_numbers(metrics: dict) -> dict:
         "completion_length_first5_last5": [mean(lengths[:5]), mean(lengths[-5:])],
         "generation_s": spread([h["generation_s"] for h in history if "generation_s" in h]),
         "reward_s": spread([h["reward_s"] for h in history if "reward_s" in h]),
-        "training_s": spread([h["training_s"] for h in history if "training_s" in h]),
-        "training_s_after_first": after_first_sum([h["training_s"] for h in history if "training_s" in h]),
+        "training_s": spread(training),
+        "training_s_after_first": sum(training[1:]) if len(training) > 1 else None,
         "step_time_s": spread([h["step_time"] for h in history if "step_time" in h]),
         "rollout_engine_used": metrics.get("rollout_engine_used"),
         "layer_graphs": metrics.get("layer_graphs"),  # captured / replayed layer passes (None: none made)
@@ -422,15 +419,14 @@ def parse_variants(parser: argparse.ArgumentParser, given: list[str] | None) -> 
 
 def planned_runs(args, folder: Path) -> list[dict]:
     """One run per seed, or per seed and variant: a seed's variants in the given order, reversed every other seed."""
-    if not args.variants:
-        return [{"index": i, "seed": seed, "status": "waiting", "dir": str(folder / f"run{i}_seed{seed}")}
-                for i, seed in enumerate(args.seeds)]  # fmt: skip
     runs = []
     for number, seed in enumerate(args.seeds):
-        for name, flags in args.variants if number % 2 == 0 else args.variants[::-1]:
+        for name, flags in (args.variants if number % 2 == 0 else args.variants[::-1]) or [(None, [])]:
             i = len(runs)
-            runs.append({"index": i, "seed": seed, "variant": name, "variant_args": flags, "status": "waiting",
-                         "dir": str(folder / f"run{i}_seed{seed}_{name}")})  # fmt: skip
+            run = {"index": i, "seed": seed, "status": "waiting", "dir": str(folder / f"run{i}_seed{seed}")}
+            if name is not None:
+                run.update(variant=name, variant_args=flags, dir=f"{run['dir']}_{name}")
+            runs.append(run)
     return runs
 
 
