@@ -355,9 +355,9 @@ def main(argv=None) -> Report:
             run_side(kind, args, data, side, report, cuda)
             if side["status"] == "error":
                 report["problems"].append(f"{kind} raised: {side['error'].strip().splitlines()[-1]}")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # torn down before the interpreter exits: gloo's threads can otherwise abort a rank
-        torch.distributed.destroy_process_group()
+    from slimrl.distributed.process_group import end_launcher_group
+
+    end_launcher_group()
     if is_main():
         print_table(report)
         report.print_outcome()

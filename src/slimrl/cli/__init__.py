@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         from slimrl.cli.demo import DemoSettings, run_demo
+        from slimrl.distributed.process_group import end_launcher_group
 
         settings = DemoSettings(**{k: v for k, v in vars(args).items() if k != "command"})
         try:
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slimrl demo: {error}", file=sys.stderr)
             return 2
         summary = run_demo(settings)
+        end_launcher_group()  # under `accelerate launch`: every rank finished the demo
         if summary["raised_nonfinite_error"]:
             return 1
     return 0
