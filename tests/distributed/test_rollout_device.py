@@ -87,7 +87,7 @@ def test_the_engine_process_holds_the_trainers_adapter_and_each_sync_moves_only_
         assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
     finally:
         trainer.rollout_engine.close()
-    assert not engine.process.is_alive() and engine.process.exitcode == 0  # "stop": its channel closed, serve returned
+    assert not engine.process.is_alive()
 
 
 @pytest.mark.usefixtures("engine_processes")
@@ -311,26 +311,6 @@ def test_tensors_go_over_nccl_only_between_two_different_gpus(monkeypatch):
     assert tensor_backend(torch.device("cpu"), torch.device("cpu")) == "gloo"
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     assert tensor_backend(torch.device("cuda:0"), torch.device("cuda:1")) == "gloo"
-
-
-def test_closing_a_channel_shuts_its_nccl_group_down_once_and_leaves_gloo():
-    """A ProcessGroupNCCL never shut down makes PyTorch warn at exit; both ends shut theirs down on "stop". The group
-    here is a stand-in (the CPU has no NCCL); the real one needs two GPUs (bench/rollout_device_check.py
-    --generation-device cuda:1)."""
-    from slimrl.distributed.transport import Channel
-
-    class Group:
-        shutdowns = 0
-
-        def shutdown(self):
-            Group.shutdowns += 1
-
-    channel = Channel.__new__(Channel)  # the ends' gloo group is not needed to close
-    channel.nccl, channel.device = Group(), torch.device("cpu")
-    assert channel.backend == "nccl"
-    channel.close()
-    channel.close()
-    assert Group.shutdowns == 1 and channel.backend == "gloo"
 
 
 def test_sharded_training_is_recognised_for_fsdp_and_zero3_only():

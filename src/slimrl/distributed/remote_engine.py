@@ -170,7 +170,6 @@ class RemoteRolloutEngine:
             if self.pending is not None:
                 self.collect()
             self.channel.send_object({"op": "stop"})
-            self.channel.close()  # the engine process closes its end on "stop"
             self.process.join(timeout=60)
 
     def describe(self) -> dict:

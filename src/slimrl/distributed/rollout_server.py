@@ -176,7 +176,6 @@ def serve(host: str, port: int) -> None:
 
             channel.send_object({"quantized": is_quantized_model(model), "state_bytes": state_bytes(model)})
         elif op == "stop":
-            channel.close()  # the trainer closes its end at the same point
             return
         else:
             raise RuntimeError(f"unknown message {op!r}")

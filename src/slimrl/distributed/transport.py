@@ -77,14 +77,6 @@ class Channel:
         self.device = torch.device(device)
         self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("slimrl/nccl/", self.store), self.rank, 2)
 
-    def close(self) -> None:
-        """Shut this end's NCCL group down (flushed, then destroyed). Both ends call it when the conversation ends (the
-        trainer's "stop"): a ProcessGroupNCCL left to the interpreter's exit makes PyTorch warn that the process group
-        was never destroyed. The gloo group needs nothing. Closing twice, or without NCCL, does nothing."""
-        if self.nccl is not None:
-            self.nccl.shutdown()
-            self.nccl = None
-
     def send_tensor(self, tensor: torch.Tensor) -> None:
         if self.nccl is None:
             self._gloo_send(tensor)
